@@ -1,0 +1,64 @@
+"""GPU paths of train_grpo.py (skipped without CUDA). Run on the device machine:
+    python -m pytest -q -s tests/gpu
+"""
+import json
+import os
+import re
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def metrics_of(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_debug_on_one_gpu_learns(run, tmp_path):
+    result = run(["--debug", "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout.splitlines()[0:2], result.stdout.splitlines()[-1])
+    assert "mixed_precision=bf16" in result.stdout and "device=cuda" in result.stdout
+    before, after = map(float, re.search(r"first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", result.stdout).groups())
+    assert after > before + 0.4
+    last = metrics_of(tmp_path)[-1]
+    for phase in ("generate", "ref", "reward", "actor_update"):
+        assert last[f"memory/{phase}/peak_allocated_gib"] > 0
+    print({k: round(v, 4) for k, v in last.items() if k.startswith(("time/", "memory/"))})
+
+
+@pytest.fixture
+def local_model(tmp_path):
+    """A 20M-parameter Llama-shaped model in a local folder, with its tokenizer (the toy one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils import toy
+
+    tokenizer = toy.build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize("extra", [
+    ["--use_gradient_checkpointing"],
+    ["--use_gradient_checkpointing", "--torch_dtype", "bfloat16", "--num_iterations", "2", "--loss_type", "grpo"],
+    ["--mixed_precision", "no", "--beta", "0"],
+])
+def test_local_model_folder_on_gpu(run, tmp_path, local_model, extra):
+    out = tmp_path / "out"
+    result = run(["--model_name_or_path", local_model, "--max_steps", "3", "--prompts_per_step", "8",
+                  "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "64",
+                  "--learning_rate", "1e-5", "--output_dir", str(out), *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(out)
+    assert len(rows) == 3 and all(r["optim/skipped_steps"] == 0 for r in rows)
+    print(extra, {k: round(rows[-1][k], 3) for k in ("time/step", "memory/actor_update/peak_allocated_gib",
+                                                    "policy/kl", "optim/grad_norm")})
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(out / "final")

@@ -1,0 +1,115 @@
+"""Bad input fails early (before any model loads) with one readable line and exit code 2;
+--config YAML works and the command line wins over it."""
+import json
+
+import pytest
+
+import train_grpo
+import utils.modeling
+from utils.cli import UsageError, parse_args
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+    monkeypatch.setattr(utils.modeling, "load_causal_lm", boom)
+    monkeypatch.setattr(utils.modeling, "load_tokenizer", boom)
+
+
+def error_of(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_grpo.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"{i}+1=", "solution": f"#### {i + 1}"}) for i in range(8)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    (tmp_path / "empty.csv").write_text("prompt,answer\n")
+    return tmp_path
+
+
+BAD_INPUTS = [
+    (["--reward_funcs", "acuracy"], "unknown reward function 'acuracy'; built-ins are accuracy, format"),
+    (["--reward_funcs", "nowhere/r.py:f"], "file nowhere/r.py does not exist"),
+    (["--reward_funcs", "{d}/broken.py:f"], "cannot load"),
+    (["--dataset_name", "{d}/data.jsonl"], "--prompt_column prompt: no such column in {d}/data.jsonl; columns are question, solution"),
+    (["--dataset_name", "{d}/data.jsonl", "--prompt_column", "question"], "--answer_column answer: no such column"),
+    (["--dataset_name", "{d}/empty.jsonl"], "dataset {d}/empty.jsonl is empty (0 rows)"),
+    (["--dataset_name", "{d}/data.txt"], "unsupported file type '.txt'; use one of .json, .jsonl, .parquet, .csv"),
+    (["--dataset_name", "{d}/empty.csv"], "is empty (0 rows)"),
+    (["--dataset_name", "no/such-dataset-xyz"], "--dataset_name no/such-dataset-xyz: cannot load it"),
+    (["--prompts_per_step", "3", "--num_generations", "4", "--per_device_train_batch_size", "5"],
+     "--per_device_train_batch_size 5 does not divide the 12 completions each process trains on per step"),
+    (["--num_generations", "1"], "--num_generations 1: GRPO's advantage is the reward minus its group's mean"),
+    (["--config", "{d}/missing.yaml"], "--config {d}/missing.yaml: cannot read it"),
+    (["--config", "{d}/unknown.yaml"], "unknown key 'learnig_rate' (did you mean learning_rate"),
+    (["--config", "{d}/notyaml.yaml"], "not valid YAML"),
+    (["--resume_from_checkpoint", "{d}/nowhere"], "--resume_from_checkpoint {d}/nowhere: no such folder"),
+    (["--resume_from_checkpoint", "latest", "--output_dir", "{d}/fresh"], "no complete checkpoint in --output_dir"),
+    (["--attn_implementation", "flash_attention_2"], "flash-attn package is not installed"),
+    (["--reward_weights", "1,2"], "--reward_weights has 2 values for 1 rewards (accuracy)"),
+    (["--reward_funcs", "none"], "no reward"),
+    (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--learning_rate", "0"], "--learning_rate must be > 0"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS)
+def test_bad_input_fails_before_models_load(argv, message, data, capsys, no_model_loading):
+    (data / "broken.py").write_text("def f(:\n")
+    (data / "data.txt").write_text("x")
+    (data / "unknown.yaml").write_text("learnig_rate: 0.1\n")
+    (data / "notyaml.yaml").write_text("a: [1, 2\n")
+    argv = [a.format(d=data) for a in argv] + (["--output_dir", str(data / "out")] if "--output_dir" not in argv else [])
+    err = error_of(argv, capsys)
+    assert message.format(d=data) in err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_invalid_choice_is_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_grpo.main(["--loss_type", "ppo"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'ppo'" in capsys.readouterr().err
+
+
+def test_flash_attention_error_as_subprocess(run):
+    result = run(["--attn_implementation", "flash_attention_2"], timeout=300)
+    assert result.returncode == 2
+    assert "use --attn_implementation sdpa" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_config_yaml_and_command_line_precedence(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("learning_rate: 0.01\nbeta: 0.0\nuse_gradient_checkpointing: true\nreward_funcs: [accuracy, format]\n")
+    args, explicit = parse_args(train_grpo.Args, ["--config", str(cfg), "--beta", "0.1"])
+    assert args.learning_rate == 0.01 and args.beta == 0.1 and args.use_gradient_checkpointing is True
+    assert args.reward_funcs == "accuracy,format"
+    assert {"learning_rate", "beta", "use_gradient_checkpointing", "reward_funcs"} <= explicit
+    assert "num_generations" not in explicit
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss_type: ppo\n")
+    with pytest.raises(SystemExit):  # config values get the same choice checks as flags
+        parse_args(train_grpo.Args, ["--config", str(bad)])
+    with pytest.raises(UsageError, match="another config"):
+        (tmp_path / "nested.yaml").write_text("config: x.yaml\n")
+        parse_args(train_grpo.Args, ["--config", str(tmp_path / "nested.yaml")])
+
+
+def test_presets_fill_only_unset_flags():
+    args, explicit = parse_args(train_grpo.Args, ["--debug", "--num_generations", "4"])
+    train_grpo.apply_presets(args, explicit)
+    assert args.num_generations == 4  # explicit value kept
+    assert args.prompts_per_step == train_grpo.TOY_PRESET["prompts_per_step"]  # toy preset (no model given)
+    args, explicit = parse_args(train_grpo.Args, ["--debug", "--model_name_or_path", "some/model"])
+    train_grpo.apply_presets(args, explicit)
+    assert args.max_steps == train_grpo.DEBUG_PRESET["max_steps"] and args.learning_rate == 1e-6
+    assert args.epsilon_high == args.epsilon and args.reward_funcs == "accuracy"

@@ -1,0 +1,168 @@
+"""End-to-end runs of train_grpo.py on the embedded tiny model (CPU, subprocesses)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+
+
+def metrics_of(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def weights(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_debug_run_learns_the_toy_task(run, tmp_path):
+    start = time.time()
+    result = run(["--debug", "--output_dir", str(tmp_path)])
+    elapsed = time.time() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"reward: first (\d+) steps ([\d.]+) -> last \d+ steps ([\d.]+)", result.stdout)
+    assert match, result.stdout[-2000:]
+    before, after = float(match.group(2)), float(match.group(3))
+    print(f"debug run: reward {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
+    assert before < 0.25 and after > before + 0.4, (before, after)
+    assert elapsed < 300
+    rows = metrics_of(tmp_path)
+    assert len(rows) == 250
+    for key in ("reward/mean", "reward/std", "reward/accuracy/mean", "advantage/std", "policy/kl", "policy/clipfrac",
+                "policy/entropy", "completions/mean_length", "completions/truncated_frac", "optim/lr",
+                "optim/grad_norm", "time/generate", "time/ref", "time/reward", "time/actor_update",
+                "throughput/tokens_per_s"):
+        assert key in rows[-1], key
+    assert rows[-1]["policy/kl"] > 0  # the policy moved away from the reference
+    assert "generate " in result.stdout and "| ref " in result.stdout  # verbose per-phase lines
+    assert "grpo:" in result.stderr  # tqdm progress bar
+
+
+def test_two_processes_end_with_identical_weights(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           os.path.join(ROOT, "train_grpo.py"), "--max_steps", "3", "--output_dir", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "num_processes=2" in result.stdout
+    prints = dict(re.findall(r"\[rank (\d)\] final weights fingerprint: (\(.*\))", result.stdout))
+    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
+    assert len(metrics_of(tmp_path)) == 3
+
+
+def test_final_model_reloads_with_from_pretrained_and_generates(run, tmp_path):
+    result = run(["--max_steps", "2", "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = tmp_path / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert tokenizer.decode(tokenizer("1 + 2 = 3")["input_ids"]) == "1 + 2 = 3"  # spaces survive the reload
+    model = AutoModelForCausalLM.from_pretrained(final)
+    out = model.generate(**tokenizer(["3+4="], return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > 4
+    assert isinstance(tokenizer.decode(out[0, 4:], skip_special_tokens=True), str)
+    assert_same_weights(final, tmp_path / "checkpoint-2")  # the checkpoint holds the same weights
+
+
+def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
+    common = ["--max_steps", "14", "--save_steps", "0", "--debug"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    script = os.path.join(ROOT, "train_grpo.py")
+    full = subprocess.run([sys.executable, script, *common, "--output_dir", str(tmp_path / "full")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, script, *common, "--output_dir", str(stopped)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:  # wait for the second step to finish, then stop the run
+        if line.startswith("step 2 "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM
+    match = re.search(r"saved (\S+checkpoint-(\d+)); resume with --resume_from_checkpoint latest", rest)
+    assert match, rest[-2000:]
+    stopped_at = int(match.group(2))
+    assert 2 <= stopped_at < 14 and os.path.isfile(os.path.join(match.group(1), "trainer_state.json"))
+    assert not (stopped / "final").exists()
+
+    resumed = subprocess.run([sys.executable, script, *common, "--output_dir", str(stopped),
+                              "--resume_from_checkpoint", "latest"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"steps {stopped_at}->14" in resumed.stdout
+    assert_same_weights(tmp_path / "full" / "final", stopped / "final")
+    steps = [row["step"] for row in metrics_of(stopped)]
+    assert steps == list(range(1, 15))  # every step logged once, none twice
+    rewards_full = [row["reward/mean"] for row in metrics_of(tmp_path / "full")]
+    assert [row["reward/mean"] for row in metrics_of(stopped)] == rewards_full  # same samples, same rewards
+
+
+def test_user_dataset_reward_file_and_reward_model(run, tmp_path):
+    from utils import toy
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"What is {i}+1?", "solution": f"{i}+1 = {i + 1}\n#### {i + 1}"})
+                              for i in range(10)))
+    (tmp_path / "my_reward.py").write_text(
+        "def short(completions, prompts, answer, solution, **kwargs):\n"
+        "    assert answer == solution\n"
+        "    return [1.0 if len(c) < 4 else 0.0 for c in completions]\n")
+    # a tiny reward model with its own tokenizer (different ids) and only 16 positions
+    rm_tokenizer = toy.build_tokenizer()
+    rm_tokenizer.add_tokens(["<extra_a>", "<extra_b>"])
+    rm_tokenizer.model_max_length = 16
+    rm = toy.build_sequence_classifier(rm_tokenizer)
+    rm.config.max_position_embeddings = 16
+    rm.save_pretrained(tmp_path / "rm")
+    rm_tokenizer.save_pretrained(tmp_path / "rm")
+    result = run(["--debug", "--max_steps", "3", "--dataset_name", str(data), "--prompt_column", "question",
+                  "--answer_column", "solution", "--reward_funcs", f"accuracy,format,{tmp_path}/my_reward.py:short",
+                  "--reward_model_name_or_path", str(tmp_path / "rm"), "--reward_weights", "1,0.5,0.5,0.1",
+                  "--max_completion_length", "12", "--output_dir", str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cut from the left" in result.stderr  # prompt + completion exceed the reward model's 16 positions
+    last = metrics_of(tmp_path / "out")[-1]
+    for name in ("accuracy", "format", "short", "reward_model"):
+        assert f"reward/{name}/mean" in last
+
+
+def test_non_finite_updates_are_skipped_then_abort(run, tmp_path):
+    (tmp_path / "bad.py").write_text("def inf(completions, **kwargs):\n    return [float('inf')] * len(completions)\n")
+    result = run(["--max_steps", "5", "--reward_funcs", f"{tmp_path}/bad.py:inf", "--max_skipped_steps", "2",
+                  "--save_steps", "1", "--output_dir", str(tmp_path)])
+    assert result.returncode == 1
+    assert "update skipped (1 in a row)" in result.stderr and "update skipped (2 in a row)" in result.stderr
+    assert "aborting at step 1: 2 consecutive updates had a non-finite loss" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "checkpoint-1").is_dir()  # work saved before the abort is intact
+
+
+def test_tensorboard_and_flags_reach_the_loop(run, tmp_path):
+    result = run(["--max_steps", "2", "--report_to", "tensorboard", "--loss_type", "grpo", "--scale_rewards", "batch",
+                  "--num_iterations", "2", "--mask_truncated_completions", "--epsilon_high", "0.28",
+                  "--temperature", "0.9", "--top_k", "20", "--top_p", "0.95", "--lr_scheduler_type", "cosine",
+                  "--warmup_steps", "1", "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [f for _, _, files in os.walk(tmp_path) for f in files if f.startswith("events.out.tfevents")]
+    assert events
+    rows = metrics_of(tmp_path)
+    assert "time/old_logprobs" in rows[0]  # num_iterations > 1 computes old logprobs
+    assert rows[0]["optim/lr"] < 3e-3  # warmup

@@ -1,0 +1,101 @@
+"""Logprobs, entropy, completion masks and sampling, checked against direct computations."""
+import pytest
+import torch
+
+from utils import toy
+from utils.generation import build_generation_config, completion_ids_and_mask, generate_completions
+from utils.ops import (batched_completion_logprobs, completion_logprobs, entropy_from_logits, masked_mean,
+                       selective_log_softmax)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = toy.build_tokenizer()
+    tokenizer.padding_side = "left"
+    model = toy.build_model(tokenizer, seed=3).eval()
+    return tokenizer, model
+
+
+def test_selective_log_softmax_and_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11) * 4
+    index = torch.randint(0, 11, (3, 5))
+    ref = torch.log_softmax(logits.double(), -1).gather(-1, index[..., None]).squeeze(-1)
+    torch.testing.assert_close(selective_log_softmax(logits, index).double(), ref, rtol=1e-5, atol=1e-5)
+    p = torch.softmax(logits.double(), -1)
+    ent_ref = -(p * torch.log(p)).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(logits).double(), ent_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_mean():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]]).float()
+    assert masked_mean(x, m).item() == pytest.approx(2.0)
+    assert masked_mean(x, m, dim=1).tolist() == pytest.approx([1.5, 3.0])
+
+
+def test_completion_mask_stops_at_first_eos():
+    eos, pad = 1, 0
+    ids = torch.tensor([[5, 6, 1, 7, 1], [5, 6, 7, 8, 9], [1, 5, 5, 5, 5]])
+    out, mask, truncated = completion_ids_and_mask(ids, [eos], pad)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert out.tolist() == [[5, 6, 1, 0, 0], [5, 6, 7, 8, 9], [1, 0, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+    _, mask2, _ = completion_ids_and_mask(torch.tensor([[5, 9, 7]]), [7, 9], pad)  # several EOS ids
+    assert mask2.tolist() == [[1, 1, 0]]
+
+
+def test_logprobs_do_not_depend_on_left_padding(tiny):
+    tokenizer, model = tiny
+    prompts = ["1+2=", "4+4=0+0="]
+    completion = torch.tensor([[20, 21, 22], [23, 24, 1]])
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    ids = torch.cat([enc["input_ids"], completion], 1)
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(completion)], 1)
+    batched, _ = completion_logprobs(model, ids, mask, 3)
+    for i, prompt in enumerate(prompts):  # each alone, no padding at all
+        alone = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        ids_i = torch.cat([alone, completion[i:i + 1]], 1)
+        single, _ = completion_logprobs(model, ids_i, torch.ones_like(ids_i), 3)
+        torch.testing.assert_close(batched[i], single[0], rtol=1e-4, atol=1e-5)
+    chunked = batched_completion_logprobs(model, ids, mask, 3, 1.0, batch_size=1)
+    torch.testing.assert_close(chunked, batched)
+
+
+def test_logprobs_equal_the_sampling_distribution(tiny):
+    """The loss's logprobs (forward pass at the sampling temperature) equal the log of the
+    probabilities generate() sampled from."""
+    tokenizer, model = tiny
+    enc = tokenizer(["3+1=", "2+2=", "0+4="], return_tensors="pt", padding=True)
+    temperature = 0.7
+    out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=None, top_p=None, max_new_tokens=6,
+                         min_new_tokens=6, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    completion = out.sequences[:, enc["input_ids"].shape[1]:]
+    scores = torch.stack(out.scores, 1)  # [B, C, V], logits already divided by the temperature
+    from_generate = torch.log_softmax(scores.float(), -1).gather(-1, completion[..., None]).squeeze(-1)
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(completion)], 1)
+    ours, entropy = completion_logprobs(model, out.sequences, mask, 6, temperature=temperature, with_entropy=True)
+    torch.testing.assert_close(ours, from_generate, rtol=1e-4, atol=1e-4)
+    assert entropy.shape == ours.shape and (entropy > 0).all()
+
+
+def test_sampled_frequencies_follow_the_model():
+    """Empirical first-token frequencies of generate_completions match softmax(logits / T)."""
+    tokenizer = toy.build_tokenizer()
+    tokenizer.padding_side = "left"
+    model = toy.build_model(tokenizer, seed=0)
+    with torch.no_grad():  # sharpen the distribution so a few thousand samples measure it well
+        model.lm_head.weight.mul_(60.0)
+    enc = tokenizer(["7+1="], return_tensors="pt")
+    n = 4000
+    ids = enc["input_ids"].repeat(n, 1)
+    config = build_generation_config(1, 1.5, 1.0, 0, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    torch.manual_seed(0)
+    completion, _, _ = generate_completions(model, ids, torch.ones_like(ids), config, [tokenizer.eos_token_id])
+    with torch.no_grad():
+        probs = torch.softmax(model(**enc).logits[0, -1] / 1.5, -1)
+    counts = torch.bincount(completion[:, 0], minlength=probs.numel()).float() / n
+    top = probs.topk(5).indices
+    assert probs[top].sum() > 0.3
+    torch.testing.assert_close(counts[top], probs[top], atol=0.03, rtol=0)

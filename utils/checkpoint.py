@@ -1,0 +1,130 @@
+"""Checkpoints that never lose work: written to a temporary folder and renamed into place (a
+crash mid-save leaves the previous checkpoint intact), resumed exactly (model, optimizer,
+scheduler, every rank's RNG states, and the step, from which the data position follows), and
+saved on SIGTERM/SIGINT before the process exits."""
+
+import json
+import os
+import re
+import shutil
+import signal
+
+from utils.cli import UsageError
+
+STATE_FILE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints in `output_dir`, oldest first: [(step, path)]."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isfile(os.path.join(path, STATE_FILE)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resolve_resume(resume_from_checkpoint, output_dir):
+    """`latest` -> newest complete checkpoint in output_dir; a path -> that checkpoint. Checked
+    before any model loads."""
+    if resume_from_checkpoint is None:
+        return None
+    if resume_from_checkpoint == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise UsageError(
+                f"--resume_from_checkpoint latest: no complete checkpoint in --output_dir {output_dir} "
+                "(looked for checkpoint-<step> folders holding trainer_state.json)"
+            )
+        return found[-1][1]
+    path = resume_from_checkpoint
+    if not os.path.isdir(path):
+        raise UsageError(f"--resume_from_checkpoint {path}: no such folder")
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise UsageError(
+            f"--resume_from_checkpoint {path}: not a complete checkpoint (no {STATE_FILE}); "
+            f"complete ones in {output_dir}: {', '.join(p for _, p in list_checkpoints(output_dir)) or 'none'}"
+        )
+    return path
+
+
+def _write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(accelerator, output_dir, step, trainer_state, save_total_limit=None):
+    """Save everything needed to resume after `step` as output_dir/checkpoint-<step>.
+
+    All ranks write into checkpoint-<step>.tmp (accelerate's save_state: model, optimizer,
+    registered objects such as the scheduler, each rank's RNG states); then the main process
+    writes trainer_state.json and renames the folder. Older checkpoints beyond
+    `save_total_limit` are removed only after the new one is complete."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _write_json(os.path.join(tmp, STATE_FILE), dict(trainer_state, step=step))
+        if os.path.exists(final):  # re-saving the same step (e.g. a signal right after a save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if save_total_limit:
+            for _, old in list_checkpoints(output_dir)[:-save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path):
+    """Restore what save_checkpoint wrote; returns the trainer state (with `step`)."""
+    accelerator.load_state(path)
+    with open(os.path.join(path, STATE_FILE)) as f:
+        return json.load(f)
+
+
+def save_pretrained_atomic(accelerator, model, tokenizer, path):
+    """The trained model as one folder that `from_pretrained` loads, written atomically."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+
+
+class StopSignal:
+    """Turns the first SIGTERM/SIGINT into a request to save and stop at the end of the current
+    step (a second SIGINT interrupts at once). All ranks agree through an all-reduce."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # second Ctrl-C stops immediately
+
+    def requested(self, accelerator) -> int:
+        """The signal number if any rank received one, else 0 (one tiny all-reduce per step)."""
+        if accelerator.num_processes == 1:
+            return self.signum
+        import torch
+
+        flag = torch.tensor([self.signum], device=accelerator.device)
+        return int(accelerator.gather(flag).max().item())

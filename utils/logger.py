@@ -1,0 +1,54 @@
+"""Metrics out: one JSON line per logged step in <output_dir>/metrics.jsonl, accelerate's
+trackers (--report_to tensorboard|wandb), and a compact line on the console."""
+
+import importlib.util
+import json
+import math
+import os
+
+from utils.cli import UsageError
+
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+def check_report_to(report_to):
+    if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--report_to tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+    if report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--report_to wandb: the wandb package is not installed (pip install wandb)")
+
+
+class MetricsLogger:
+    # (key, label) shown on the console line, in order, when present
+    CONSOLE = (("reward/mean", "reward"), ("reward/std", "reward_std"), ("policy/kl", "kl"),
+               ("policy/clipfrac", "clipfrac"), ("policy/entropy", "entropy"), ("completions/mean_length", "len"),
+               ("loss/policy", "loss"), ("value/loss", "vf_loss"), ("optim/grad_norm", "grad_norm"),
+               ("time/step", "step_s"))
+
+    def __init__(self, accelerator, output_dir, report_to, run_name, config):
+        self.accelerator = accelerator
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.report_to = report_to
+        if report_to != "none":
+            # trackers want flat, simple values
+            flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in config.items()}
+            accelerator.init_trackers(run_name, config=flat)
+
+    def log(self, metrics, step):
+        clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")
+        if self.report_to != "none":
+            self.accelerator.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
+
+    def console_line(self, metrics, step) -> str:
+        parts = [f"step {step}"]
+        for key, label in self.CONSOLE:
+            if key in metrics and isinstance(metrics[key], (int, float)) and not math.isnan(metrics[key]):
+                parts.append(f"{label}={metrics[key]:.4g}")
+        return " ".join(parts)
+
+    def close(self):
+        if self.report_to != "none":
+            self.accelerator.end_training()

@@ -1,0 +1,68 @@
+"""Tensor operations both scripts share: per-token logprobs and entropy of completions, and
+masked reductions. Stateless."""
+
+import torch
+
+
+def selective_log_softmax(logits, index):
+    """log_softmax(logits)[..., index] without materialising the full log-softmax.
+
+    logits: [B, T, V] (any float dtype; computed in fp32), index: [B, T] -> [B, T] fp32."""
+    logits = logits.float()
+    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) along the last axis, in fp32: logsumexp(z) - sum(p * z)."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
+                        with_entropy=False):
+    """Logprobs of the last `num_completion_tokens` tokens of `input_ids` under `model`.
+
+    input_ids, attention_mask: [B, P + C] (prompts left-padded, completions right-padded).
+    Logits are divided by the sampling temperature, so the logprobs are those of the
+    distribution the completions were sampled from. Only the C + 1 last positions' logits are
+    computed (`logits_to_keep`). Returns logprobs [B, C] and, if asked, entropy [B, C] (no grad).
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers them
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=num_completion_tokens + 1,
+        use_cache=False,
+    ).logits
+    logits = logits[:, -(num_completion_tokens + 1) : -1, :]  # position t predicts token t + 1
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = selective_log_softmax(logits, input_ids[:, -num_completion_tokens:])
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def batched_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature, batch_size):
+    """completion_logprobs without gradients, `batch_size` rows at a time -> [B, C]."""
+    chunks = []
+    for start in range(0, input_ids.shape[0], batch_size):
+        rows = slice(start, start + batch_size)
+        chunks.append(completion_logprobs(model, input_ids[rows], attention_mask[rows], num_completion_tokens,
+                                          temperature)[0])
+    return torch.cat(chunks)
+
+
+def masked_sum(values, mask, dim=None):
+    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of `values` where `mask` is 1 (over everything, or along `dim`); 0 where mask is empty."""
+    return masked_sum(values, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1)
