@@ -45,7 +45,6 @@ BAD_INPUTS = [
     (["--dataset_name", "{d}/empty.jsonl"], "dataset {d}/empty.jsonl is empty (0 rows)"),
     (["--dataset_name", "{d}/data.txt"], "unsupported file type '.txt'; use one of .json, .jsonl, .parquet, .csv"),
     (["--dataset_name", "{d}/empty.csv"], "is empty (0 rows)"),
-    (["--dataset_name", "no/such-dataset-xyz"], "--dataset_name no/such-dataset-xyz: cannot load it"),
     (["--prompts_per_step", "3", "--num_generations", "4", "--per_device_train_batch_size", "5"],
      "--per_device_train_batch_size 5 does not divide the 12 completions each process trains on per step"),
     (["--num_generations", "1"], "--num_generations 1: GRPO's advantage is the reward minus its group's mean"),
@@ -81,10 +80,15 @@ def test_invalid_choice_is_argparse_error(capsys):
     assert "invalid choice: 'ppo'" in capsys.readouterr().err
 
 
-def test_flash_attention_error_as_subprocess(run):
-    result = run(["--attn_implementation", "flash_attention_2"], timeout=300)
+@pytest.mark.parametrize("argv, message", [
+    (["--attn_implementation", "flash_attention_2"], "use --attn_implementation sdpa"),
+    (["--dataset_name", "no/such-dataset-xyz"], "--dataset_name no/such-dataset-xyz: cannot load it"),
+])
+def test_errors_as_subprocess(run, argv, message):
+    result = run(argv, timeout=300, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert result.returncode == 2
-    assert "use --attn_implementation sdpa" in result.stderr and "Traceback" not in result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_config_yaml_and_command_line_precedence(tmp_path):
