@@ -110,10 +110,12 @@ def test_config_yaml_and_command_line_precedence(tmp_path):
 
 def test_presets_fill_only_unset_flags():
     args, explicit = parse_args(train_grpo.Args, ["--debug", "--num_generations", "4"])
-    train_grpo.apply_presets(args, explicit)
+    train_grpo.apply_presets(args, explicit, train_grpo.TOY_PRESET, train_grpo.DEBUG_PRESET)
     assert args.num_generations == 4  # explicit value kept
     assert args.prompts_per_step == train_grpo.TOY_PRESET["prompts_per_step"]  # toy preset (no model given)
     args, explicit = parse_args(train_grpo.Args, ["--debug", "--model_name_or_path", "some/model"])
-    train_grpo.apply_presets(args, explicit)
+    train_grpo.apply_presets(args, explicit, train_grpo.TOY_PRESET, train_grpo.DEBUG_PRESET)
     assert args.max_steps == train_grpo.DEBUG_PRESET["max_steps"] and args.learning_rate == 1e-6
-    assert args.epsilon_high == args.epsilon and args.reward_funcs == "accuracy"
+    assert args.reward_funcs == "accuracy"
+    train_grpo.check_args(args, num_processes=1)
+    assert args.epsilon_high == args.epsilon  # clip-higher defaults to symmetric clipping

@@ -128,3 +128,45 @@ class StopSignal:
 
         flag = torch.tensor([self.signum], device=accelerator.device)
         return int(accelerator.gather(flag).max().item())
+
+
+class Checkpointer:
+    """The run's saving policy: a fresh or resumed start, a checkpoint every `save_steps`, one on
+    SIGTERM/SIGINT (then the caller exits), and one at the end."""
+
+    def __init__(self, accelerator, output_dir, save_steps, save_total_limit):
+        self.accelerator = accelerator
+        self.output_dir = output_dir
+        self.save_steps = save_steps
+        self.save_total_limit = save_total_limit
+        self.stop = StopSignal()
+
+    def start(self, resume_path) -> dict:
+        """Restore `resume_path` (-> its trainer state) or prepare a fresh output_dir (-> {})."""
+        if resume_path:
+            return load_checkpoint(self.accelerator, resume_path)
+        if self.accelerator.is_main_process:
+            import warnings
+
+            os.makedirs(self.output_dir, exist_ok=True)
+            if list_checkpoints(self.output_dir):
+                warnings.warn(f"{self.output_dir} already holds checkpoints; this run starts from scratch "
+                              "(use --resume_from_checkpoint latest to continue)")
+            open(os.path.join(self.output_dir, "metrics.jsonl"), "w").close()
+        self.accelerator.wait_for_everyone()
+        return {}
+
+    def save(self, step, trainer_state):
+        return save_checkpoint(self.accelerator, self.output_dir, step, trainer_state, self.save_total_limit)
+
+    def after_step(self, done, max_steps, trainer_state) -> int:
+        """Save if it is time; on a signal save and return its number (the caller exits)."""
+        if self.save_steps and done % self.save_steps == 0 and done < max_steps:
+            self.save(done, trainer_state)
+        signum = self.stop.requested(self.accelerator)
+        if signum:
+            path = self.save(done, trainer_state)
+            if self.accelerator.is_main_process:
+                print(f"\nreceived signal {signum}: saved {path}; resume with --resume_from_checkpoint latest",
+                      flush=True)
+        return signum

@@ -62,6 +62,37 @@ def check_columns(dataset, prompt_column, answer_column, answer_required, source
         )
 
 
+def load_task_dataset(args, accelerator, answer_required):
+    """The prompts to train on: --dataset_name (checked) or, when unset, the toy task."""
+    with accelerator.main_process_first():
+        if args.dataset_name is None:
+            from utils import toy
+
+            dataset, source = toy.build_dataset(seed=args.seed), "the toy task"
+        else:
+            dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_split)
+            source = args.dataset_name
+    check_columns(dataset, args.prompt_column, args.answer_column, answer_required, source)
+    return dataset
+
+
+def process_batch(dataset, step, prompts_per_step, seed, process_index, num_processes, prompt_column,
+                  answer_column, repeat=1):
+    """This process's share of `step`'s prompts, each repeated `repeat` times (adjacent).
+
+    Returns (raw prompts [b], prompts [b * repeat], columns {name: [b * repeat]}): the columns
+    hold every other dataset column, plus `answer` (the --answer_column values) for rewards."""
+    rows = prompt_indices(len(dataset), prompts_per_step, step, seed)
+    per_process = prompts_per_step // num_processes
+    batch = dataset[rows[process_index * per_process : (process_index + 1) * per_process]]
+    raw_prompts = batch[prompt_column]
+    prompts = [p for p in raw_prompts for _ in range(repeat)]
+    columns = {k: [v for v in values for _ in range(repeat)] for k, values in batch.items() if k != prompt_column}
+    if answer_column in columns:
+        columns["answer"] = columns[answer_column]
+    return raw_prompts, prompts, columns
+
+
 def render_prompt(prompt, tokenizer, use_chat_template, system_prompt=None) -> str:
     """The text the model sees: the chat template applied to a user turn (or to the given list
     of messages), with the generation prompt; or the raw text."""

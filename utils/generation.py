@@ -2,6 +2,8 @@
 
 import torch
 
+from utils.placement import model_input_device
+
 
 def build_generation_config(max_new_tokens, temperature, top_p, top_k, pad_token_id, eos_token_ids):
     """A fresh sampling config: nothing inherited from the model's own generation_config
@@ -26,14 +28,16 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
-    (no EOS within max_new_tokens)."""
+    (no EOS within max_new_tokens), all on the device of `prompt_ids`."""
+    device = model_input_device(model)
     was_training = model.training
     model.eval()  # KV cache on, and no gradient-checkpointing warnings
     try:
-        sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config)
+        sequences = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
+                                   generation_config=generation_config)
     finally:
         model.train(was_training)
-    completion_ids = sequences[:, prompt_ids.shape[1] :]
+    completion_ids = sequences[:, prompt_ids.shape[1] :].to(prompt_ids.device)
     return completion_ids_and_mask(completion_ids, eos_token_ids, generation_config.pad_token_id)
 
 

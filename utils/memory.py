@@ -23,6 +23,7 @@ class PhaseTimer:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.metrics = {}
+        self.run_peak_bytes = 0  # peak allocated on self.device over the whole run (phases reset the counter)
 
     def reset(self):
         self.metrics = {}
@@ -41,6 +42,7 @@ class PhaseTimer:
             key = f"time/{name}"
             self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
             if self.cuda:
+                self.run_peak_bytes = max(self.run_peak_bytes, torch.cuda.max_memory_allocated(self.device))
                 for kind, value in (("allocated", torch.cuda.max_memory_allocated(self.device)),
                                     ("reserved", torch.cuda.max_memory_reserved(self.device))):
                     key = f"memory/{name}/peak_{kind}_gib"
@@ -55,3 +57,14 @@ class PhaseTimer:
                 mem = self.metrics.get(f"memory/{name}/peak_allocated_gib")
                 parts.append(f"{name} {seconds:.2f}s" + (f" {mem:.2f}GiB" if mem is not None else ""))
         return " | ".join(parts)
+
+
+def gpu_peaks_line(timer=None) -> str:
+    """`cuda:0 12.3GiB, cuda:1 4.5GiB`: peak allocated memory of every GPU this process used
+    (for the timer's device, whose counter each phase resets, the timer's run-wide peak)."""
+    if not torch.cuda.is_available():
+        return ""
+    peaks = [(i, torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]
+    if timer is not None and timer.cuda:
+        peaks = [(i, max(b, timer.run_peak_bytes) if i == timer.device.index else b) for i, b in peaks]
+    return ", ".join(f"cuda:{i} {b / GIB:.2f}GiB" for i, b in peaks if b > 0)

@@ -10,6 +10,18 @@ from utils.cli import UsageError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_mixed_precision(name: str) -> str:
+    """--mixed_precision auto -> bf16 on a GPU that supports it, else no."""
+    if name == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return name
+
+
+def frozen_dtype(mixed_precision: str, train_dtype):
+    """Frozen roles (reference, reward) are not trained: load them in the autocast dtype."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, train_dtype)
+
+
 def check_attn_implementation(name: str, on_cuda: bool):
     """flash_attention_2 needs the flash-attn package (built against CUDA) and a GPU."""
     if name != "flash_attention_2":
@@ -64,6 +76,58 @@ def load_causal_lm(model_name_or_path, tokenizer, dtype, attn_implementation="sd
     return model
 
 
+class ValueModel(torch.nn.Module):
+    """A critic: a sequence-classification model (one label) whose `score` head is applied at
+    every position, so forward returns one value per token [B, T]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model  # e.g. LlamaForSequenceClassification
+        self.config = model.config
+
+    def forward(self, input_ids, attention_mask, position_ids=None):
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        head = self.model.score
+        return head(hidden.to(head.weight.device)).squeeze(-1)
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+    @property
+    def _no_split_modules(self):  # what a device_map must keep whole (decoder layers)
+        return getattr(self.model, "_no_split_modules", None)
+
+
+def load_value_model(model_name_or_path, tokenizer, dtype, attn_implementation="sdpa", trust_remote_code=False,
+                     disable_dropout=True, seed=0):
+    """The critic as a ValueModel: from a reward-model checkpoint, or from a causal LM (its
+    weights plus a new scalar head); None: the toy actor's weights plus a head."""
+    from transformers import AutoModelForSequenceClassification
+
+    if model_name_or_path is None:
+        from utils import toy
+
+        model = toy.build_sequence_classifier(tokenizer, seed=seed)
+        actor = toy.build_model(tokenizer, seed=seed)  # the same weights as the toy actor
+        model.model.load_state_dict(actor.model.state_dict())
+        model.config._attn_implementation = attn_implementation
+        model = model.to(torch.float32 if dtype == "auto" else dtype)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_name_or_path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    if disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return ValueModel(model)
+
+
 def eos_token_ids(tokenizer, model) -> list:
     """Every id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
     ids = {tokenizer.eos_token_id}
@@ -74,6 +138,19 @@ def eos_token_ids(tokenizer, model) -> list:
 
 def count_parameters(model):
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_replicas_in_sync(accelerator, model):
+    """DDP keeps replicas equal; check it once at the end (each rank prints its fingerprint)."""
+    if accelerator.num_processes == 1:
+        return
+    from utils.cli import fail
+
+    fingerprint = param_fingerprint(accelerator.unwrap_model(model))
+    print(f"[rank {accelerator.process_index}] final weights fingerprint: {fingerprint}", flush=True)
+    everyone = accelerator.gather(torch.tensor([fingerprint], dtype=torch.float64, device=accelerator.device))
+    if not torch.all(everyone == everyone[0]):
+        fail(f"ranks ended with different weights: {everyone.tolist()}", code=1)
 
 
 @torch.no_grad()

@@ -135,6 +135,35 @@ def reward_function_name(spec: str) -> str:
     return spec.rsplit(":", 1)[-1]
 
 
+def resolve_rewards(reward_funcs: str, reward_weights, reward_model_name_or_path):
+    """Parse --reward_funcs/--reward_weights (before any model loads).
+
+    Returns (specs, [(name, fn)], weights); the reward model, if any, is appended to the
+    functions later and takes the last weight."""
+    from utils.cli import parse_float_list
+
+    specs = [s.strip() for s in reward_funcs.split(",") if s.strip() and s.strip() != "none"]
+    functions = [(reward_function_name(s), load_reward_function(s)) for s in specs]
+    names = [n for n, _ in functions] + (["reward_model"] if reward_model_name_or_path else [])
+    if not names:
+        raise UsageError("no reward: give --reward_funcs and/or --reward_model_name_or_path")
+    weights = parse_float_list(reward_weights, "--reward_weights") if reward_weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise UsageError(f"--reward_weights has {len(weights)} values for {len(names)} rewards ({', '.join(names)})")
+    return specs, functions, weights
+
+
+def score_completions(reward_fns, completions, prompts, columns, device):
+    """Every reward function on every completion -> [B, F] float32 on `device` (nan: not applicable)."""
+    import torch
+
+    rewards = torch.zeros(len(completions), len(reward_fns), device=device)
+    for j, (name, fn) in enumerate(reward_fns):
+        values = call_reward_function(fn, name, completions, prompts, columns)
+        rewards[:, j] = torch.tensor(values, dtype=torch.float32, device=device)
+    return rewards
+
+
 def call_reward_function(fn, name, completions, prompts, columns) -> list:
     """Call one reward function and check what it returns: a float per completion, None -> nan."""
     values = fn(completions=completions, prompts=prompts, **columns)
@@ -158,9 +187,11 @@ class RewardModel:
 
     name = "reward_model"
 
-    def __init__(self, path, device, dtype, fallback_tokenizer=None, batch_size=16, trust_remote_code=False):
+    def __init__(self, path, placement, dtype, fallback_tokenizer=None, batch_size=16, trust_remote_code=False):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from utils.placement import place_model
 
         self.torch = torch
         self.model = AutoModelForSequenceClassification.from_pretrained(
@@ -177,11 +208,10 @@ class RewardModel:
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         limits = [getattr(self.model.config, "max_position_embeddings", None), self.tokenizer.model_max_length]
-        self.max_length = min(int(x) for x in limits if x is not None and x < 1e9) if any(
-            x is not None and x < 1e9 for x in limits
-        ) else 2048
-        self.model.requires_grad_(False).eval().to(device)
-        self.device = device
+        limits = [int(x) for x in limits if x is not None and x < 1e9]  # tokenizers say 1e30 for "no limit"
+        self.max_length = min(limits) if limits else 2048
+        self.model = place_model(self.model.requires_grad_(False).eval(), placement)
+        self.device = placement.device
         self.batch_size = batch_size
         self.use_chat_template = getattr(self.tokenizer, "chat_template", None) is not None
         self.num_truncated = 0
@@ -197,6 +227,7 @@ class RewardModel:
         return str(prompt) + completion
 
     def __call__(self, completions, prompts, **kwargs):
+        """One score per completion: the model's output at the last non-pad token."""
         torch = self.torch
         texts = [self._text(p, c) for p, c in zip(prompts, completions)]
         scores = []

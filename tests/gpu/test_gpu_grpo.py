@@ -29,22 +29,6 @@ def test_debug_on_one_gpu_learns(run, tmp_path):
     print({k: round(v, 4) for k, v in last.items() if k.startswith(("time/", "memory/"))})
 
 
-@pytest.fixture
-def local_model(tmp_path):
-    """A 20M-parameter Llama-shaped model in a local folder, with its tokenizer (the toy one)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from utils import toy
-
-    tokenizer = toy.build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    return str(tmp_path / "model")
-
-
 @pytest.mark.parametrize("extra", [
     ["--use_gradient_checkpointing"],
     ["--use_gradient_checkpointing", "--torch_dtype", "bfloat16", "--num_iterations", "2", "--loss_type", "grpo"],
@@ -62,3 +46,15 @@ def test_local_model_folder_on_gpu(run, tmp_path, local_model, extra):
                                                     "policy/kl", "optim/grad_norm")})
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def test_grpo_roles_on_cpu_and_offload_next_to_a_gpu_policy(run, tmp_path, local_model, local_reward_model):
+    out = tmp_path / "out"
+    result = run(["--model_name_or_path", local_model, "--reward_model_name_or_path", local_reward_model,
+                  "--reward_funcs", "accuracy", "--ref_device", "cpu", "--reward_device", "offload",
+                  "--max_steps", "2", "--prompts_per_step", "4", "--num_generations", "4",
+                  "--per_device_train_batch_size", "8", "--max_completion_length", "32", "--output_dir", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    print("\n".join(l for l in result.stdout.splitlines() if l.startswith(("actor", "ref", "reward", "role", "[rank"))))
+    assert "ref     cpu " in result.stdout and "runs on cuda:0 (offload)" in result.stdout
+    assert metrics_of(out)[-1]["policy/kl"] >= 0

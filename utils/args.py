@@ -1,0 +1,102 @@
+"""Flags both scripts share (model, placement, data, rewards, sampling, optimisation, logging,
+saving), their checks, and the presets. Each script's `Args` extends `SharedArgs` with its
+algorithm's flags and its own defaults for prompts_per_step, learning_rate, output_dir, run_name."""
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from utils.cli import UsageError
+
+
+@dataclass
+class SharedArgs:
+    # --- model
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Hub id or local folder of a causal LM (the policy); unset: the embedded tiny model and toy task."})
+    torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(default="float32", metadata={"help": "Dtype of the trained weights. float32 by default: with bf16 weights, AdamW updates at RL learning rates round to nothing. Frozen models (reference, reward) load in the mixed-precision dtype."})
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(default="auto", metadata={"help": "Autocast dtype for forward passes; auto: bf16 on a GPU that supports it, else no. Overrides accelerate's config."})
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = field(default="sdpa", metadata={"help": "Attention kernel; flash_attention_2 needs the optional flash-attn package and a GPU."})
+    use_gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward (non-reentrant) instead of storing them, in every trained model."})
+    use_chat_template: Optional[bool] = field(default=None, metadata={"help": "Wrap prompts in the tokenizer's chat template; default: when the tokenizer has one."})
+    system_prompt: Optional[str] = field(default=None, metadata={"help": "System message put before each prompt (chat template) or a line before it (raw)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub (from_pretrained's trust_remote_code)."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Set dropout to 0 in trained models so old and new logprobs agree; --no_disable_dropout keeps it."})
+    # --- placement (utils/placement.py; several processes: cuda:N is the N-th GPU the process owns)
+    actor_device: Optional[str] = field(default=None, metadata={"help": "Policy placement: cpu, cuda:N or balanced (layers split over this process's GPUs); default: the process's device."})
+    ref_device: Optional[str] = field(default=None, metadata={"help": "Reference placement: cpu, cuda:N, balanced, or offload (CPU memory, run on --offload_execution_device)."})
+    reward_device: Optional[str] = field(default=None, metadata={"help": "Reward model placement: cpu, cuda:N, balanced or offload."})
+    offload_execution_device: Optional[str] = field(default=None, metadata={"help": "Where offloaded roles run (cpu, cuda:N); default: the actor's device."})
+    # --- data
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "Hub id, local folder, or local .json/.jsonl/.parquet/.csv file; unset: the toy task."})
+    dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration (e.g. `main` for openai/gsm8k)."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompt: text, or a list of chat messages."})
+    answer_column: str = field(default="answer", metadata={"help": "Column holding the reference answer, passed to reward functions as `answer`."})
+    max_prompt_length: int = field(default=512, metadata={"help": "Prompts longer than this many tokens are cut from the left, with a warning."})
+    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
+    # --- rewards
+    reward_funcs: Optional[str] = field(default=None, metadata={"help": "Comma list of built-ins (accuracy, format), path/file.py:function or module:function, or none; default: accuracy, or none when a reward model is given."})
+    reward_weights: Optional[str] = field(default=None, metadata={"help": "Comma list of weights, one per reward function then the reward model; default all 1."})
+    reward_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Sequence-classification model (num_labels=1) scoring prompt + completion at its last token, with its own tokenizer."})
+    # --- sampling and batching
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (logprobs are computed at the same temperature)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold; 1.0 disables."})
+    top_k: int = field(default=0, metadata={"help": "Sample from the k most likely tokens; 0 disables."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Completions per forward/backward micro-batch on each process; gradients accumulate over the rest of the optimizer step."})
+    # --- optimisation
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy."})
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": "Learning-rate schedule after warmup."})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Fraction of optimizer steps for linear warmup."})
+    warmup_steps: int = field(default=0, metadata={"help": "Warmup optimizer steps; overrides --warmup_ratio when > 0."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not applied to biases and norms)."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip each trained model's gradient norm to this; 0 disables clipping (the norm is still logged)."})
+    max_steps: int = field(default=-1, metadata={"help": "Steps (rollout + update) to run; -1: --num_train_epochs over the dataset."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the prompts when --max_steps is -1."})
+    seed: int = field(default=42, metadata={"help": "Random seed; each process samples with seed + its rank."})
+    max_skipped_steps: int = field(default=5, metadata={"help": "Abort after this many consecutive updates skipped for a non-finite loss or gradient norm."})
+    # --- logging and saving
+    output_dir: str = field(default="outputs", metadata={"help": "Checkpoints, metrics.jsonl and the final model (output_dir/final) go here."})
+    logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many steps."})
+    report_to: Literal["none", "tensorboard", "wandb"] = field(default="none", metadata={"help": "Also send metrics to this tracker (metrics.jsonl is always written)."})
+    run_name: str = field(default="lean-rl", metadata={"help": "Run name for the tracker."})
+    save_steps: int = field(default=100, metadata={"help": "Save a resumable checkpoint every this many steps; 0: only at the end and on SIGTERM/SIGINT."})
+    save_total_limit: Optional[int] = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest removed first)."})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "A checkpoint folder, or `latest` for the newest in --output_dir."})
+    debug: bool = field(default=False, metadata={"help": "One process, small batch, few steps, a per-phase time/memory line every step; with no model: the toy task."})
+    config: Optional[str] = field(default=None, metadata={"help": "YAML file of flag names and values; flags on the command line win."})
+
+
+def apply_presets(args, explicit, toy_preset, debug_preset):
+    """Fill in what the user did not set: `toy_preset` when no model is given (the embedded tiny
+    model needs large batches and a large learning rate), `debug_preset` for --debug on a real
+    model (a smoke test). Then the defaults that depend on other flags."""
+    toy = args.model_name_or_path is None
+    presets = toy_preset if toy else (debug_preset if args.debug else {})
+    for name, value in presets.items():
+        if name not in explicit:
+            setattr(args, name, value)
+    if args.reward_funcs is None:
+        args.reward_funcs = "none" if args.reward_model_name_or_path else "accuracy"
+
+
+def check_shared_args(args):
+    """Range checks of the shared flags; raises UsageError naming the flag."""
+    for name in ("prompts_per_step", "per_device_train_batch_size", "max_prompt_length", "max_completion_length",
+                 "logging_steps", "max_skipped_steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    for name in ("temperature", "learning_rate"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name} must be > 0 (got {getattr(args, name)})")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1] (got {args.top_p})")
+    for name in ("top_k", "max_grad_norm", "weight_decay", "save_steps", "warmup_steps"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if not 0 <= args.warmup_ratio < 1:
+        raise UsageError(f"--warmup_ratio must be in [0, 1) (got {args.warmup_ratio})")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise UsageError(f"--save_total_limit must be at least 1 (got {args.save_total_limit})")
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
