@@ -1,0 +1,105 @@
+"""End-to-end runs of train_ppo.py on the embedded tiny models (CPU, subprocesses), and its
+bad-input errors."""
+import re
+import time
+
+import pytest
+
+import train_ppo
+from conftest import assert_same_weights, launch_two_cpu_processes, metrics_of, sigterm_then_resume
+
+
+def test_debug_run_learns_the_toy_task(run, tmp_path):
+    start = time.time()
+    result = run(["--debug", "--output_dir", str(tmp_path)], script="train_ppo.py")
+    elapsed = time.time() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after = map(float, re.search(r"reward: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)",
+                                         result.stdout).groups())
+    print(f"ppo debug run: reward {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
+    assert before < 0.25 and after > before + 0.4, (before, after)
+    assert elapsed < 300
+    last = metrics_of(tmp_path)[-1]
+    for key in ("policy/approx_kl", "policy/clipfrac", "policy/entropy", "policy/kl", "policy/kl_coef",
+                "value/explained_variance", "value/returns_mean", "value/clipfrac", "loss/policy", "loss/value",
+                "reward/mean", "reward/rlhf_mean", "time/generate", "time/old_logprobs", "time/ref", "time/values",
+                "time/reward", "time/actor_update", "time/critic_update"):
+        assert key in last, key
+    assert last["value/explained_variance"] > 0.2  # the critic learned something
+    assert "| critic_update " in result.stdout and "critic " in result.stdout  # per-phase line, placement table
+
+
+def test_two_processes_end_with_identical_weights(tmp_path):
+    result = launch_two_cpu_processes("train_ppo.py", ["--max_steps", "3", "--per_device_train_batch_size", "32",
+                                                       "--target_kl", "0.5", "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "num_processes=2" in result.stdout
+    prints = dict(re.findall(r"\[rank (\d)\] final weights fingerprint: (\([-\d.e+]+, [-\d.e+]+\))", result.stdout))
+    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
+    coefs = [row["policy/kl_coef"] for row in metrics_of(tmp_path)]
+    assert coefs[0] != coefs[-1]  # the adaptive controller moved kl_coef
+
+
+def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
+    full, stopped, stopped_at, resumed_out = sigterm_then_resume(
+        "train_ppo.py", ["--max_steps", "8", "--save_steps", "0", "--target_kl", "0.5", "--debug"], tmp_path)
+    assert 2 <= stopped_at < 8 and f"steps {stopped_at}->8" in resumed_out
+    assert_same_weights(full / "final", stopped / "final")
+    rows_full, rows_stopped = metrics_of(full), metrics_of(stopped)
+    assert [r["step"] for r in rows_stopped] == list(range(1, 9))
+    for key in ("reward/mean", "policy/kl_coef", "loss/value"):  # kl_coef comes back with the checkpoint
+        assert [r[key] for r in rows_stopped] == [r[key] for r in rows_full], key
+
+
+def test_placements_and_a_reward_model_with_its_own_tokenizer(run, tmp_path):
+    from utils import toy
+
+    rm_tokenizer = toy.build_tokenizer()
+    rm_tokenizer.add_tokens(["<extra_a>", "<extra_b>", "<extra_c>"])  # ids differ from the actor's
+    rm = toy.build_sequence_classifier(rm_tokenizer, seed=5)
+    rm.save_pretrained(tmp_path / "rm")
+    rm_tokenizer.save_pretrained(tmp_path / "rm")
+    result = run(["--max_steps", "2", "--reward_model_name_or_path", str(tmp_path / "rm"),
+                  "--reward_funcs", "accuracy", "--reward_weights", "1,0.5", "--reward_device", "cpu",
+                  "--ref_device", "offload", "--missing_eos_penalty", "1.0", "--output_dir", str(tmp_path / "out")],
+                 script="train_ppo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = result.stdout
+    assert re.search(r"ref\s+cpu memory, runs on cpu \(offload\)", table)
+    assert re.search(r"reward\s+cpu\s", table) and re.search(r"actor\s+cpu\s", table)
+    rows = metrics_of(tmp_path / "out")
+    for row in rows:
+        want = (row["reward/accuracy/mean"] + 0.5 * row["reward/reward_model/mean"]
+                - 1.0 * row["completions/truncated_frac"])
+        assert row["reward/mean"] == pytest.approx(want, abs=1e-5)
+
+
+def test_stop_token_ends_completions(run, tmp_path):
+    result = run(["--max_steps", "2", "--stop_token", "+", "--output_dir", str(tmp_path)], script="train_ppo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    no_stop = run(["--max_steps", "2", "--output_dir", str(tmp_path / "b")], script="train_ppo.py")
+    with_stop, without = metrics_of(tmp_path)[0], metrics_of(tmp_path / "b")[0]
+    assert with_stop["completions/truncated_frac"] < without["completions/truncated_frac"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stop_token", "ab"], "--stop_token 'ab' is 2 tokens for this tokenizer; it must be exactly one"),
+    (["--num_mini_batches", "3"], "--num_mini_batches 3 does not divide the 256 completions"),
+    (["--per_device_train_batch_size", "48"], "--per_device_train_batch_size 48 does not divide the 64 completions"),
+    (["--actor_device", "offload"], "--actor_device offload: offload is for frozen roles"),
+    (["--critic_device", "cuda:7"], "--critic_device cuda:7:"),
+    (["--ref_device", "gpu0"], "--ref_device gpu0: expected cpu, cuda, cuda:N, balanced (or auto) or offload"),
+    (["--lam", "1.5"], "--lam must be in [0, 1]"),
+    (["--missing_eos_penalty", "-1"], "--missing_eos_penalty must be >= 0"),
+    (["--reward_funcs", "nope"], "unknown reward function 'nope'"),
+])
+def test_bad_input_fails_before_models_load(argv, message, capsys, monkeypatch, tmp_path):
+    import utils.modeling
+
+    monkeypatch.setattr(utils.modeling, "load_causal_lm", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(utils.modeling, "load_value_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit) as exc:
+        train_ppo.main(argv + ["--output_dir", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and "Traceback" not in err

@@ -1,0 +1,489 @@
+"""PPO for LLMs with an actor, a critic, a reward (model and/or rule functions) and a reference,
+each placed where it fits, in one file, readable top to bottom.
+
+    python train_ppo.py --debug                       # embedded tiny actor/critic + toy task, offline, CPU or 1 GPU
+    python train_ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
+        --reward_model_name_or_path my-org/my-reward-model --dataset_name my_prompts.jsonl
+    accelerate launch --multi_gpu --num_processes 4 train_ppo.py --use_gradient_checkpointing ...
+    # four roles on four GPUs, one process:
+    python train_ppo.py --actor_device cuda:0 --critic_device cuda:1 --reward_device cuda:2 --ref_device cuda:3 ...
+
+One step (Ouyang et al. 2022, arXiv:2203.02155; details as in Huang et al., "The N Implementation
+Details of RLHF with PPO", arXiv:2403.17031):
+  1. generate one completion per prompt (cut after --stop_token)
+  2. score it: reward model at the last real token and/or rule rewards, weighted;
+     --missing_eos_penalty for completions that never stopped
+  3. old logprobs (actor), reference logprobs, values (critic)
+  4. per-token reward: -kl_coef * KL(actor || ref) on every token, plus the score on the last
+  5. GAE (--gamma, --lam) advantages, whitened; returns = advantages + values
+  6. --ppo_epochs passes of --num_mini_batches mini-batches: clipped policy loss (actor) and
+     clipped value loss (critic), one optimizer step each per mini-batch
+  7. adaptive KL coefficient (--target_kl), log, save
+
+Departures: the critic is a separate model with its own optimizer (so it can live on another
+device), so --vf_coef scales the critic's loss alone; every completion ends at its last token
+(no value bootstrap past max_completion_length); losses are token means over the whole
+mini-batch on all processes, so micro-batching does not change them.
+"""
+
+import dataclasses
+import math
+import os
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from utils.args import SharedArgs, apply_presets, check_shared_args, divisors
+
+
+@dataclass
+class Args(SharedArgs):  # the shared flags (model, placement, data, rewards, ...) are in utils/args.py
+    # --- critic
+    critic_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Critic: a reward-model or causal-LM checkpoint (a scalar value head is added); default: the actor's weights."})
+    critic_device: Optional[str] = field(default=None, metadata={"help": "Critic placement: cpu, cuda:N or balanced; default: the process's device."})
+    critic_learning_rate: Optional[float] = field(default=None, metadata={"help": "Critic peak learning rate; default: --learning_rate."})
+    # --- PPO
+    prompts_per_step: int = field(default=64, metadata={"help": "Prompts per step (rollout batch) over all processes, one completion each."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per PPO epoch; one optimizer step each for actor and critic."})
+    ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range: [1 - cliprange, 1 + cliprange]."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range around the rollout's values."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (the critic's loss)."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    kl_coef: float = field(default=0.05, metadata={"help": "Weight of the per-token KL penalty to the reference, folded into the rewards (initial value when --target_kl is set)."})
+    kl_estimator: Literal["k1", "k3"] = field(default="k1", metadata={"help": "Per-token KL estimator: k1 = logp - ref_logp, k3 = exp(ref - logp) - (ref - logp) - 1."})
+    target_kl: Optional[float] = field(default=None, metadata={"help": "Adapt kl_coef so the per-sequence KL tracks this target (Ziegler et al. 2019); unset: fixed kl_coef."})
+    kl_horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller, in samples."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten the per-token rewards before GAE."})
+    missing_eos_penalty: Optional[float] = field(default=None, metadata={"help": "Subtract this from the score of completions that end without EOS / --stop_token."})
+    stop_token: str = field(default="eos", metadata={"help": "Completions end after this token: `eos`, or any text that is a single token (e.g. a newline)."})
+    # --- this script's defaults for shared flags
+    learning_rate: float = field(default=3e-6, metadata={"help": "Actor peak learning rate (the tiny model's preset: 1e-3)."})
+    output_dir: str = field(default="outputs/ppo", metadata={"help": "Checkpoints, metrics.jsonl and the final actor (output_dir/final) go here."})
+    run_name: str = field(default="lean-rl-ppo", metadata={"help": "Run name for the tracker."})
+
+
+# Presets fill in only what the user did not set (see train_grpo.py).
+TOY_PRESET = dict(learning_rate=1e-3, critic_learning_rate=3e-3, prompts_per_step=256, num_mini_batches=4,
+                  per_device_train_batch_size=64, ppo_epochs=2, max_completion_length=8, max_prompt_length=16,
+                  max_steps=200, kl_coef=0.01, save_steps=100)
+DEBUG_PRESET = dict(prompts_per_step=4, num_mini_batches=1, per_device_train_batch_size=4, ppo_epochs=1,
+                    max_steps=3, max_completion_length=32)
+
+
+# ----------------------------------------------------------------------------------------------
+# RL math (kept here, in plain sight; tests/test_ppo_math.py checks it against loop references)
+
+
+def per_token_kl(logprobs, ref_logprobs, estimator):
+    """Per-token estimate of KL(pi || pi_ref) at the sampled tokens: k1 = log(pi / pi_ref),
+    k3 = r - log r - 1 with r = pi_ref / pi (Schulman 2020). [B, C]"""
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def token_rewards(scores, kl, mask, kl_coef):
+    """Per-token rewards: -kl_coef * kl on every completion token, plus the sequence's score on
+    its last real token. scores: [B]; kl, mask: [B, C] -> [B, C] (0 on padding)."""
+    rewards = -kl_coef * kl * mask
+    last = mask.sum(1).long() - 1  # index of the last non-pad token
+    rewards[torch.arange(len(scores), device=scores.device), last] += scores
+    return rewards
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438), masked.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, with
+    V and A zero past each completion's last token (the episode ends there).
+    rewards, values, mask: [B, C]. Returns advantages, returns = advantages + values ([B, C])."""
+    values = values * mask
+    rewards = rewards * mask
+    length = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(length)):
+        next_value = values[:, t + 1] if t + 1 < length else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
+        advantages[:, t] = next_advantage
+    return advantages, advantages + values
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens):
+    """PPO clipped surrogate, summed over this micro-batch's tokens / num_tokens (all tokens of
+    the mini-batch on all processes). Returns loss, clipped-token count, approx-KL sum."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    loss = (torch.max(unclipped, clipped) * mask).sum() / num_tokens
+    clipfrac = ((clipped > unclipped).float() * mask).sum()
+    approx_kl = (0.5 * log_ratio.detach() ** 2 * mask).sum()  # the low-variance k2 estimator
+    return loss, clipfrac, approx_kl
+
+
+def value_loss(values, old_values, returns, mask, cliprange_value, num_tokens):
+    """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), summed over this
+    micro-batch's tokens / num_tokens. Returns loss and the count of tokens where the clip bit."""
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped_values - returns) ** 2
+    loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / num_tokens
+    clipfrac = ((clipped_loss > unclipped_loss).float() * mask).sum()
+    return loss, clipfrac
+
+
+def update_kl_coef(kl_coef, observed_kl, target_kl, num_samples, horizon):
+    """Adaptive KL controller (Ziegler et al. 2019, arXiv:1909.08593, section 2.2)."""
+    error = min(max(observed_kl / target_kl - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * num_samples / horizon)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments: presets, derived sizes, validation (everything here runs before a model loads)
+
+
+def check_args(args, num_processes):
+    """Validate flags and derive per-process sizes; raises UsageError naming the flag."""
+    from utils.cli import UsageError
+
+    check_shared_args(args)
+    if args.critic_learning_rate is None:
+        args.critic_learning_rate = args.learning_rate
+    for name in ("num_mini_batches", "ppo_epochs", "kl_horizon"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    for name in ("critic_learning_rate", "cliprange", "cliprange_value"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name} must be > 0 (got {getattr(args, name)})")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise UsageError(f"--{name} must be in [0, 1] (got {getattr(args, name)})")
+    for name in ("kl_coef", "vf_coef"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.target_kl is not None and not args.target_kl > 0:
+        raise UsageError(f"--target_kl must be > 0 (got {args.target_kl})")
+    if args.missing_eos_penalty is not None and args.missing_eos_penalty < 0:
+        raise UsageError(f"--missing_eos_penalty must be >= 0, it is subtracted (got {args.missing_eos_penalty})")
+    if args.prompts_per_step % num_processes:
+        raise UsageError(f"--prompts_per_step {args.prompts_per_step} does not split over {num_processes} "
+                         "processes; use a multiple of the process count")
+    local = args.prompts_per_step // num_processes
+    if local % args.num_mini_batches:
+        raise UsageError(f"--num_mini_batches {args.num_mini_batches} does not divide the {local} completions each "
+                         f"process holds per step (--prompts_per_step {args.prompts_per_step} / {num_processes} processes)")
+    mini = local // args.num_mini_batches
+    if mini % args.per_device_train_batch_size:
+        raise UsageError(f"--per_device_train_batch_size {args.per_device_train_batch_size} does not divide the "
+                         f"{mini} completions of a mini-batch on each process ({local} / --num_mini_batches "
+                         f"{args.num_mini_batches}); valid: {divisors(mini)}")
+    return local, mini
+
+
+def stop_token_ids(stop_token, tokenizer):
+    """--stop_token -> the token id(s) that end a completion (checked once the tokenizer loads)."""
+    from utils.cli import UsageError
+
+    if stop_token == "eos":
+        return []
+    ids = tokenizer(stop_token, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise UsageError(f"--stop_token {stop_token!r} is {len(ids)} tokens for this tokenizer; it must be exactly one "
+                         "(or `eos`)")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    from utils import data as data_utils
+    from utils import rewards as reward_utils
+    from utils.checkpoint import Checkpointer, resolve_resume, save_pretrained_atomic
+    from utils.cli import UsageError, fail, parse_args
+    from utils.generation import build_generation_config, generate_completions
+    from utils.logger import MetricsLogger, check_report_to
+    from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
+    from utils.modeling import (DTYPES, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
+                                frozen_dtype, load_causal_lm, load_tokenizer, load_value_model,
+                                resolve_mixed_precision)
+    from utils.ops import batched_completion_logprobs, completion_logprobs, completion_values, masked_whiten
+    from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
+    from utils.placement import place_model, placement_table, prepare_trained, resolve_placements
+
+    # ---- 1. arguments, checked before any model loads -------------------------------------------
+    try:
+        args, explicit = parse_args(Args, argv)
+    except UsageError as e:
+        fail(str(e))
+    apply_presets(args, explicit, TOY_PRESET, DEBUG_PRESET)
+    mixed_precision = resolve_mixed_precision(args.mixed_precision)
+    accelerator = Accelerator(mixed_precision=mixed_precision, project_dir=args.output_dir,
+                              log_with=None if args.report_to == "none" else args.report_to)
+    is_main, num_processes, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    try:
+        local_size, mini_size = check_args(args, num_processes)
+        check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
+        check_report_to(args.report_to)
+        specs, reward_fns, reward_weights = reward_utils.resolve_rewards(
+            args.reward_funcs, args.reward_weights, args.reward_model_name_or_path)
+        placements = resolve_placements({"actor": args.actor_device, "critic": args.critic_device,
+                                         "ref": args.ref_device, "reward": args.reward_device},
+                                        accelerator.device, args.offload_execution_device, num_processes)
+        dataset = data_utils.load_task_dataset(args, accelerator, answer_required="accuracy" in specs)
+        resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+        tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        stop_ids = stop_token_ids(args.stop_token, tokenizer)
+    except UsageError as e:
+        fail(str(e))
+    if args.debug and num_processes > 1:
+        warnings.warn("--debug is meant for a single process")
+    if args.max_steps < 0:
+        args.max_steps = math.ceil(len(dataset) * args.num_train_epochs / args.prompts_per_step)
+    mb = args.per_device_train_batch_size
+    set_seed(args.seed, device_specific=True)  # each rank samples differently
+
+    # ---- 2. models: actor and critic (trained), reference and reward model (frozen) ------------------
+    use_chat_template = args.use_chat_template
+    if use_chat_template is None:
+        use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+    train_dtype = DTYPES.get(args.torch_dtype, "auto")
+    frozen = frozen_dtype(mixed_precision, train_dtype)
+    actor = load_causal_lm(args.model_name_or_path, tokenizer, train_dtype, args.attn_implementation,
+                           args.trust_remote_code, args.disable_dropout, seed=args.seed)
+    critic = load_value_model(args.critic_model_name_or_path or args.model_name_or_path, tokenizer, train_dtype,
+                              args.attn_implementation, args.trust_remote_code, args.disable_dropout, seed=args.seed)
+    if args.use_gradient_checkpointing:
+        for model in (actor, critic):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    actor = place_model(actor, placements["actor"])
+    critic = place_model(critic, placements["critic"])
+    home = placements["actor"].device  # rollout tensors live with the actor's inputs
+    ref_model = load_causal_lm(args.model_name_or_path, tokenizer, frozen, args.attn_implementation,
+                               args.trust_remote_code, True, seed=args.seed)
+    ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
+    table = [("actor", placements["actor"], True), ("critic", placements["critic"], True),
+             ("ref", placements["ref"], False)]
+    if args.reward_model_name_or_path:
+        reward_model = reward_utils.RewardModel(args.reward_model_name_or_path, placements["reward"], frozen,
+                                                fallback_tokenizer=tokenizer, trust_remote_code=args.trust_remote_code)
+        reward_fns.append((reward_model.name, reward_model))
+        table.append(("reward", placements["reward"], False))
+    reward_weights = torch.tensor(reward_weights, device=home)
+    optimizer_steps = args.max_steps * args.ppo_epochs * args.num_mini_batches
+    warmup = args.warmup_steps or int(args.warmup_ratio * optimizer_steps)
+    actor_optimizer = build_optimizer(actor, args.learning_rate, args.weight_decay)
+    critic_optimizer = build_optimizer(critic, args.critic_learning_rate, args.weight_decay)
+    actor_scheduler = build_scheduler(actor_optimizer, args.lr_scheduler_type, optimizer_steps, warmup)
+    critic_scheduler = build_scheduler(critic_optimizer, args.lr_scheduler_type, optimizer_steps, warmup)
+    actor, actor_optimizer = prepare_trained(accelerator, actor, actor_optimizer, placements["actor"])
+    critic, critic_optimizer = prepare_trained(accelerator, critic, critic_optimizer, placements["critic"])
+    accelerator.register_for_checkpointing(actor_scheduler, critic_scheduler)
+    unwrapped_actor, unwrapped_critic = accelerator.unwrap_model(actor), accelerator.unwrap_model(critic)
+    eos_ids = sorted(set(eos_token_ids(tokenizer, unwrapped_actor) + stop_ids))
+    generation_config = build_generation_config(args.max_completion_length, args.temperature, args.top_p,
+                                                args.top_k, tokenizer.pad_token_id, eos_ids)
+    encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, use_chat_template, args.system_prompt)
+    checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit)
+    state = checkpointer.start(resume_path)
+    start_step, kl_coef = state.get("step", 0), state.get("kl_coef", args.kl_coef)
+    guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
+    logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
+    timer = PhaseTimer(home)
+    sum_over_processes = lambda t: accelerator.reduce(t, reduction="sum")  # noqa: E731
+    if is_main:
+        print(f"actor {args.model_name_or_path or 'embedded tiny model (toy task)'} ({args.torch_dtype}), critic "
+              f"{args.critic_model_name_or_path or 'actor weights + value head'}, rewards: "
+              f"{', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
+        print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
+              f"{args.prompts_per_step} prompts per step; per process {local_size} completions, "
+              f"{args.ppo_epochs} epochs x {args.num_mini_batches} mini-batches of {mini_size} "
+              f"in micro-batches of {mb} | steps {start_step}->{args.max_steps}", flush=True)
+
+    # ---- 3. training loop --------------------------------------------------------------------------
+    score_history = []
+    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+                    disable=not is_main, desc="ppo", dynamic_ncols=True,
+                    mininterval=0.5 if sys.stderr.isatty() else 30)
+    for step in progress:
+        timer.reset()
+        step_start = time.perf_counter()
+        raw_prompts, prompts, columns = data_utils.process_batch(
+            dataset, step, args.prompts_per_step, args.seed, rank, num_processes, args.prompt_column,
+            args.answer_column)
+
+        # 1. rollout: one completion per prompt, ending at EOS or --stop_token
+        with timer.phase("generate"):
+            prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [B, P]
+            completion_ids, completion_mask, is_truncated = generate_completions(
+                unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids)  # [B, C], [B, C], [B]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        C = completion_ids.shape[1]
+        mask = completion_mask.float()  # [B, C]
+
+        # 2. old logprobs (the rollout policy), reference logprobs, values
+        with timer.phase("old_logprobs"):
+            old_logprobs = batched_completion_logprobs(unwrapped_actor, input_ids, attention_mask, C,
+                                                       args.temperature, mb)  # [B, C]
+        with timer.phase("ref"):
+            ref_logprobs = batched_completion_logprobs(ref_model, input_ids, attention_mask, C,
+                                                       args.temperature, mb)  # [B, C]
+        with timer.phase("values"), torch.no_grad():
+            old_values = torch.cat([completion_values(unwrapped_critic, input_ids[i:i + mb], attention_mask[i:i + mb], C)
+                                    for i in range(0, local_size, mb)])  # [B, C]
+
+        # 3. scores: rule rewards and/or the reward model, weighted; penalty for no EOS
+        with timer.phase("reward"):
+            completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            rewards_per_func = reward_utils.score_completions(reward_fns, completions, prompts, columns, home)
+            scores = (rewards_per_func * reward_weights).nansum(dim=1)  # [B]
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * is_truncated.float()
+
+        # 4. per-token rewards: KL penalty on every token, score on the last one
+        kl = per_token_kl(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # [B, C]
+        rewards = token_rewards(scores, kl, mask, kl_coef)  # [B, C]
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=sum_over_processes)
+
+        # 5. GAE advantages (whitened over the whole batch) and returns
+        advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask, all_reduce=sum_over_processes)
+
+        # 6. PPO epochs over shuffled mini-batches; actor and critic step once per mini-batch
+        orders = [torch.randperm(local_size, device=home) for _ in range(args.ppo_epochs)]
+        mini_tokens = torch.stack([mask.sum(1)[order].view(args.num_mini_batches, mini_size).sum(1) for order in orders])
+        mini_tokens = sum_over_processes(mini_tokens).clamp(min=1).tolist()  # [epochs, mini-batches], one sync
+        sums = torch.zeros(6, device=home)  # clipped, approx_kl, entropy, value clipped, tokens, value loss
+        norms, policy_losses = [], []
+        for epoch, order in enumerate(orders):
+            for m in range(args.num_mini_batches):
+                mini = order[m * mini_size:(m + 1) * mini_size]
+                num_tokens = mini_tokens[epoch][m]
+                actor_loss_sum = torch.zeros((), device=home)
+                critic_loss_sum = torch.zeros((), device=home)
+                for start in range(0, mini_size, mb):
+                    rows = mini[start:start + mb]
+                    last = start + mb >= mini_size  # all-reduce gradients on the last micro-batch only
+                    m_mask = mask[rows]
+                    with timer.phase("actor_update"), nullcontext() if last else accelerator.no_sync(actor):
+                        logprobs, entropy = completion_logprobs(actor, input_ids[rows], attention_mask[rows], C,
+                                                                args.temperature, with_entropy=True)
+                        loss, clipped, approx_kl = policy_loss(logprobs, old_logprobs[rows], advantages[rows],
+                                                               m_mask, args.cliprange, num_tokens)
+                        accelerator.backward(loss * num_processes)  # DDP averages; the loss is a global share
+                    with timer.phase("critic_update"), nullcontext() if last else accelerator.no_sync(critic):
+                        values = completion_values(critic, input_ids[rows], attention_mask[rows], C)
+                        v_loss, v_clipped = value_loss(values, old_values[rows], returns[rows], m_mask,
+                                                       args.cliprange_value, num_tokens)
+                        accelerator.backward(args.vf_coef * v_loss * num_processes)
+                    actor_loss_sum += loss.detach()
+                    critic_loss_sum += v_loss.detach()
+                    sums += torch.stack([clipped, approx_kl, (entropy * m_mask).sum(), v_clipped, m_mask.sum(),
+                                         v_loss.detach() * num_tokens])
+                with timer.phase("actor_update"):
+                    actor_norm, actor_ok = clip_and_step(accelerator, actor, actor_optimizer, actor_scheduler,
+                                                         args.max_grad_norm, actor_loss_sum)
+                with timer.phase("critic_update"):
+                    critic_norm, critic_ok = clip_and_step(accelerator, critic, critic_optimizer, critic_scheduler,
+                                                           args.max_grad_norm, critic_loss_sum)
+                guard.record(actor_ok and critic_ok, step, "actor/critic update")
+                norms.append(torch.stack([actor_norm.to(home), critic_norm.to(home)]))  # the critic may be elsewhere
+                policy_losses.append(actor_loss_sum)
+
+        # 7. adaptive KL coefficient, metrics
+        all_scores = accelerator.gather(scores)
+        kl_per_sequence = accelerator.gather(kl.sum(1))  # [N]
+        observed_kl = kl_per_sequence.mean().item()
+        if args.target_kl is not None:
+            kl_coef = update_kl_coef(kl_coef, observed_kl, args.target_kl, args.prompts_per_step, args.kl_horizon)
+        score_history.append(all_scores.mean().item())
+        if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
+            global_sums = sum_over_processes(sums)
+            tokens = max(global_sums[4].item(), 1.0)
+            lengths = accelerator.gather(completion_mask.sum(1).float())
+            all_rewards_per_func = accelerator.gather(rewards_per_func)
+            stats = sum_over_processes(torch.stack([
+                (returns * mask).sum(), (returns ** 2 * mask).sum(), ((returns - old_values) * mask).sum(),
+                ((returns - old_values) ** 2 * mask).sum(), (old_values * mask).sum(), mask.sum()]))
+            n = stats[5].clamp(min=2)
+            var_returns = stats[1] / n - (stats[0] / n) ** 2
+            var_residual = stats[3] / n - (stats[2] / n) ** 2
+            norms_mean = torch.stack(norms).mean(0)
+            metrics = {
+                "reward/mean": all_scores.mean().item(),
+                "reward/std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
+                "reward/rlhf_mean": (all_scores - kl_coef * kl_per_sequence).mean().item(),
+                "loss/policy": sum_over_processes(torch.stack(policy_losses).mean()).item(),
+                "loss/value": global_sums[5].item() / tokens,
+                "policy/kl": observed_kl,
+                "policy/kl_coef": kl_coef,
+                "policy/approx_kl": global_sums[1].item() / tokens,
+                "policy/clipfrac": global_sums[0].item() / tokens,
+                "policy/entropy": global_sums[2].item() / tokens,
+                "value/clipfrac": global_sums[3].item() / tokens,
+                "value/mean": (stats[4] / n).item(),
+                "value/returns_mean": (stats[0] / n).item(),
+                "value/explained_variance": (1 - var_residual / var_returns.clamp(min=1e-8)).item(),
+                "completions/mean_length": lengths.mean().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/truncated_frac": accelerator.gather(is_truncated.float()).mean().item(),
+                "optim/lr": actor_scheduler.get_last_lr()[0],
+                "optim/critic_lr": critic_scheduler.get_last_lr()[0],
+                "optim/grad_norm": norms_mean[0].item(),
+                "optim/critic_grad_norm": norms_mean[1].item(),
+                "optim/skipped_steps": guard.total,
+                "memory/host_peak_rss_gib": host_peak_rss_gib(),
+            }
+            for j, (name, _) in enumerate(reward_fns):
+                metrics[f"reward/{name}/mean"] = all_rewards_per_func[:, j].nanmean().item()
+            metrics |= timer.metrics
+            metrics["time/step"] = time.perf_counter() - step_start
+            metrics["throughput/tokens_per_s"] = lengths.sum().item() / metrics["time/step"]
+            logger.log(metrics, step + 1)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{observed_kl:.3g}")
+            if args.debug and is_main:
+                tqdm.write(logger.console_line(metrics, step + 1) + " || " + timer.summary())
+                if step % 25 == 0:
+                    tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} (score {scores[0].item():.3f})")
+
+        # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)
+        trainer_state = {"total_skipped": guard.total, "kl_coef": kl_coef}
+        signum = checkpointer.after_step(step + 1, args.max_steps, trainer_state)
+        if signum:
+            logger.close()
+            sys.exit(128 + signum)
+
+    # ---- 4. the end: last checkpoint, final actor, replicas checked -----------------------------------
+    progress.close()
+    checkpointer.save(args.max_steps, {"total_skipped": guard.total, "kl_coef": kl_coef})
+    final_dir = os.path.join(args.output_dir, "final")
+    save_pretrained_atomic(accelerator, actor, tokenizer, final_dir)
+    check_replicas_in_sync(accelerator, actor)
+    if is_main and score_history:
+        k = max(1, min(10, len(score_history) // 4))
+        before, after = sum(score_history[:k]) / k, sum(score_history[-k:]) / k
+        print(f"reward: first {k} steps {before:.3f} -> last {k} steps {after:.3f} | saved {final_dir}", flush=True)
+    if torch.cuda.is_available():
+        print(f"[rank {rank}] peak GPU memory allocated: {gpu_peaks_line(timer)}", flush=True)
+    logger.close()
+
+
+if __name__ == "__main__":
+    main()
