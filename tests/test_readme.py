@@ -3,7 +3,10 @@ import dataclasses
 import os
 import re
 
+import pytest
+
 import train_grpo
+import train_ppo
 from conftest import ROOT
 
 
@@ -12,9 +15,10 @@ def readme():
         return f.read()
 
 
-def test_every_flag_has_a_readme_row():
+@pytest.mark.parametrize("script", [train_grpo, train_ppo])
+def test_every_flag_has_a_readme_row(script):
     rows = set(re.findall(r"^\| `--(\w+)` \|", readme(), flags=re.M))
-    missing = [f.name for f in dataclasses.fields(train_grpo.Args) if f.name not in rows]
+    missing = [f.name for f in dataclasses.fields(script.Args) if f.name not in rows]
     assert not missing, f"flags without a README row: {missing}"
 
 
