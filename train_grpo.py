@@ -173,7 +173,7 @@ def main(argv=None):
     from utils.checkpoint import Checkpointer, resolve_resume, save_pretrained_atomic
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
-    from utils.logger import MetricsLogger, check_report_to
+    from utils.logger import MetricsLogger, check_report_to, first_last_line
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
     from utils.modeling import (DTYPES, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
                                 frozen_dtype, load_causal_lm, load_tokenizer, resolve_mixed_precision)
@@ -214,9 +214,6 @@ def main(argv=None):
 
     # ---- 2. models: policy (trained), reference and reward model (frozen), each where it is placed --
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    use_chat_template = args.use_chat_template
-    if use_chat_template is None:
-        use_chat_template = getattr(tokenizer, "chat_template", None) is not None
     train_dtype = DTYPES.get(args.torch_dtype, "auto")
     frozen = frozen_dtype(mixed_precision, train_dtype)
     model = load_causal_lm(args.model_name_or_path, tokenizer, train_dtype, args.attn_implementation,
@@ -248,7 +245,8 @@ def main(argv=None):
     eos_ids = eos_token_ids(tokenizer, unwrapped)
     generation_config = build_generation_config(args.max_completion_length, args.temperature, args.top_p,
                                                 args.top_k, tokenizer.pad_token_id, eos_ids)
-    encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, use_chat_template, args.system_prompt)
+    encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, args.use_chat_template,
+                                            args.system_prompt)
     checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit)
     state = checkpointer.start(resume_path)
     start_step = state.get("step", 0)
@@ -400,9 +398,7 @@ def main(argv=None):
     save_pretrained_atomic(accelerator, model, tokenizer, final_dir)
     check_replicas_in_sync(accelerator, model)
     if is_main and reward_history:
-        k = max(1, min(10, len(reward_history) // 4))
-        before, after = sum(reward_history[:k]) / k, sum(reward_history[-k:]) / k
-        print(f"reward: first {k} steps {before:.3f} -> last {k} steps {after:.3f} | saved {final_dir}", flush=True)
+        print(first_last_line(reward_history, final_dir), flush=True)
     if torch.cuda.is_available():
         print(f"[rank {rank}] peak GPU memory allocated: {gpu_peaks_line(timer)}", flush=True)
     logger.close()

@@ -13,7 +13,7 @@ Details of RLHF with PPO", arXiv:2403.17031):
   1. generate one completion per prompt (cut after --stop_token)
   2. score it: reward model at the last real token and/or rule rewards, weighted;
      --missing_eos_penalty for completions that never stopped
-  3. old logprobs (actor), reference logprobs, values (critic)
+  3. old logprobs (actor), reference logprobs (no reference model when kl_coef is 0), values (critic)
   4. per-token reward: -kl_coef * KL(actor || ref) on every token, plus the score on the last
   5. GAE (--gamma, --lam) advantages, whitened; returns = advantages + values
   6. --ppo_epochs passes of --num_mini_batches mini-batches: clipped policy loss (actor) and
@@ -216,9 +216,10 @@ def main(argv=None):
     from utils.checkpoint import Checkpointer, resolve_resume, save_pretrained_atomic
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
-    from utils.logger import MetricsLogger, check_report_to
+    from utils.logger import MetricsLogger, check_report_to, first_last_line
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
-    from utils.modeling import (DTYPES, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
+    from utils.modeling import (DTYPES, check_attn_implementation, check_replicas_in_sync, check_same_vocabulary,
+                                eos_token_ids,
                                 frozen_dtype, load_causal_lm, load_tokenizer, load_value_model,
                                 resolve_mixed_precision)
     from utils.ops import batched_completion_logprobs, completion_logprobs, completion_values, masked_whiten
@@ -248,6 +249,8 @@ def main(argv=None):
         resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
         tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
         stop_ids = stop_token_ids(args.stop_token, tokenizer)
+        check_same_vocabulary(args.critic_model_name_or_path, "--critic_model_name_or_path", tokenizer,
+                              args.trust_remote_code)
     except UsageError as e:
         fail(str(e))
     if args.debug and num_processes > 1:
@@ -258,9 +261,6 @@ def main(argv=None):
     set_seed(args.seed, device_specific=True)  # each rank samples differently
 
     # ---- 2. models: actor and critic (trained), reference and reward model (frozen) ------------------
-    use_chat_template = args.use_chat_template
-    if use_chat_template is None:
-        use_chat_template = getattr(tokenizer, "chat_template", None) is not None
     train_dtype = DTYPES.get(args.torch_dtype, "auto")
     frozen = frozen_dtype(mixed_precision, train_dtype)
     actor = load_causal_lm(args.model_name_or_path, tokenizer, train_dtype, args.attn_implementation,
@@ -273,11 +273,13 @@ def main(argv=None):
     actor = place_model(actor, placements["actor"])
     critic = place_model(critic, placements["critic"])
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
-    ref_model = load_causal_lm(args.model_name_or_path, tokenizer, frozen, args.attn_implementation,
-                               args.trust_remote_code, True, seed=args.seed)
-    ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
-    table = [("actor", placements["actor"], True), ("critic", placements["critic"], True),
-             ("ref", placements["ref"], False)]
+    table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
+    ref_model = None
+    if args.kl_coef > 0 or args.target_kl is not None:  # the frozen initial policy, for the KL penalty
+        ref_model = load_causal_lm(args.model_name_or_path, tokenizer, frozen, args.attn_implementation,
+                                   args.trust_remote_code, True, seed=args.seed)
+        ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
+        table.append(("ref", placements["ref"], False))
     if args.reward_model_name_or_path:
         reward_model = reward_utils.RewardModel(args.reward_model_name_or_path, placements["reward"], frozen,
                                                 fallback_tokenizer=tokenizer, trust_remote_code=args.trust_remote_code)
@@ -297,7 +299,8 @@ def main(argv=None):
     eos_ids = sorted(set(eos_token_ids(tokenizer, unwrapped_actor) + stop_ids))
     generation_config = build_generation_config(args.max_completion_length, args.temperature, args.top_p,
                                                 args.top_k, tokenizer.pad_token_id, eos_ids)
-    encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, use_chat_template, args.system_prompt)
+    encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, args.use_chat_template,
+                                            args.system_prompt)
     checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit)
     state = checkpointer.start(resume_path)
     start_step, kl_coef = state.get("step", 0), state.get("kl_coef", args.kl_coef)
@@ -340,9 +343,11 @@ def main(argv=None):
         with timer.phase("old_logprobs"):
             old_logprobs = batched_completion_logprobs(unwrapped_actor, input_ids, attention_mask, C,
                                                        args.temperature, mb)  # [B, C]
-        with timer.phase("ref"):
-            ref_logprobs = batched_completion_logprobs(ref_model, input_ids, attention_mask, C,
-                                                       args.temperature, mb)  # [B, C]
+        ref_logprobs = old_logprobs  # no KL penalty: no reference model
+        if ref_model is not None:
+            with timer.phase("ref"):
+                ref_logprobs = batched_completion_logprobs(ref_model, input_ids, attention_mask, C,
+                                                           args.temperature, mb)  # [B, C]
         with timer.phase("values"), torch.no_grad():
             old_values = torch.cat([completion_values(unwrapped_critic, input_ids[i:i + mb], attention_mask[i:i + mb], C)
                                     for i in range(0, local_size, mb)])  # [B, C]
@@ -477,9 +482,7 @@ def main(argv=None):
     save_pretrained_atomic(accelerator, actor, tokenizer, final_dir)
     check_replicas_in_sync(accelerator, actor)
     if is_main and score_history:
-        k = max(1, min(10, len(score_history) // 4))
-        before, after = sum(score_history[:k]) / k, sum(score_history[-k:]) / k
-        print(f"reward: first {k} steps {before:.3f} -> last {k} steps {after:.3f} | saved {final_dir}", flush=True)
+        print(first_last_line(score_history, final_dir), flush=True)
     if torch.cuda.is_available():
         print(f"[rank {rank}] peak GPU memory allocated: {gpu_peaks_line(timer)}", flush=True)
     logger.close()

@@ -1,85 +1,17 @@
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers.py
+from helpers import ROOT, run_script  # noqa: E402
+
+sys.path.insert(0, ROOT)  # the scripts and utils/
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def run_script(args, timeout=600, env=None, script="train_grpo.py"):
-    """Run a training script in a subprocess; returns CompletedProcess with text output."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture
 def run():
+    """run(args, timeout=600, env=None, script="train_grpo.py") -> CompletedProcess (text)."""
     return run_script
-
-
-def metrics_of(output_dir):
-    """The rows of output_dir/metrics.jsonl."""
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def assert_same_weights(a, b):
-    """Two saved folders hold bit-identical model.safetensors."""
-    import torch
-    from safetensors.torch import load_file
-
-    wa, wb = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-
-
-def launch_two_cpu_processes(script, args, timeout=600):
-    """The launch line that really starts two CPU processes (../shared/machine-notes.md)."""
-    import socket
-
-    with socket.socket() as s:  # a free port, so back-to-back launches never collide
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           os.path.join(ROOT, script), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def sigterm_then_resume(script, common, tmp_path):
-    """Run `common` uninterrupted, and again stopped by SIGTERM after its second logged step then
-    resumed with `latest`. Returns (full_dir, stopped_dir, step the stop saved at)."""
-    import re
-    import signal
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    path = os.path.join(ROOT, script)
-    full = subprocess.run([sys.executable, path, *common, "--output_dir", str(tmp_path / "full")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert full.returncode == 0, full.stderr[-3000:]
-    stopped = tmp_path / "stopped"
-    proc = subprocess.Popen([sys.executable, path, *common, "--output_dir", str(stopped)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in proc.stdout:  # wait for the second step to finish, then stop the run
-        if line.startswith("step 2 "):
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest = proc.stdout.read()
-    assert proc.wait(timeout=300) == 128 + signal.SIGTERM
-    match = re.search(r"saved (\S+checkpoint-(\d+)); resume with --resume_from_checkpoint latest", rest)
-    assert match, rest[-2000:]
-    assert os.path.isfile(os.path.join(match.group(1), "trainer_state.json"))
-    assert not (stopped / "final").exists()
-    resumed = subprocess.run([sys.executable, path, *common, "--output_dir", str(stopped),
-                              "--resume_from_checkpoint", "latest"], env=env, capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return tmp_path / "full", stopped, int(match.group(2)), resumed.stdout

@@ -4,7 +4,7 @@ import os
 import re
 import time
 
-from conftest import assert_same_weights, launch_two_cpu_processes, metrics_of, sigterm_then_resume
+from helpers import assert_same_weights, launch_two_cpu_processes, metrics_of, sigterm_then_resume
 
 
 def test_debug_run_learns_the_toy_task(run, tmp_path):

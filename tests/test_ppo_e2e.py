@@ -6,7 +6,7 @@ import time
 import pytest
 
 import train_ppo
-from conftest import assert_same_weights, launch_two_cpu_processes, metrics_of, sigterm_then_resume
+from helpers import assert_same_weights, launch_two_cpu_processes, metrics_of, sigterm_then_resume
 
 
 def test_debug_run_learns_the_toy_task(run, tmp_path):
@@ -103,3 +103,24 @@ def test_bad_input_fails_before_models_load(argv, message, capsys, monkeypatch, 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("error: ") and "Traceback" not in err
+
+
+def test_critic_must_share_the_policy_vocabulary(capsys, tmp_path):
+    from utils import toy
+
+    other = toy.build_tokenizer()
+    other.add_tokens(["<different>"])
+    toy.build_sequence_classifier(other).save_pretrained(tmp_path / "rm")
+    other.save_pretrained(tmp_path / "rm")
+    with pytest.raises(SystemExit) as exc:
+        train_ppo.main(["--critic_model_name_or_path", str(tmp_path / "rm"), "--output_dir", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    assert "its tokenizer differs from the policy's" in capsys.readouterr().err
+
+
+def test_no_reference_model_without_kl(run, tmp_path):
+    result = run(["--max_steps", "2", "--kl_coef", "0", "--output_dir", str(tmp_path)], script="train_ppo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not re.search(r"^ref\s", result.stdout, flags=re.M)
+    rows = metrics_of(tmp_path)
+    assert "time/ref" not in rows[-1] and rows[-1]["policy/kl"] == 0

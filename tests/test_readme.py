@@ -7,7 +7,7 @@ import pytest
 
 import train_grpo
 import train_ppo
-from conftest import ROOT
+from helpers import ROOT
 
 
 def readme():

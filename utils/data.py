@@ -108,11 +108,14 @@ def render_prompt(prompt, tokenizer, use_chat_template, system_prompt=None) -> s
 
 class PromptEncoder:
     """Tokenizes prompts, left-truncating those over `max_length` tokens (with one warning per
-    batch that says how many), and left-pads a batch for generation."""
+    batch that says how many), and left-pads a batch for generation. use_chat_template=None:
+    use the template when the tokenizer has one."""
 
-    def __init__(self, tokenizer, max_length, use_chat_template, system_prompt=None):
+    def __init__(self, tokenizer, max_length, use_chat_template=None, system_prompt=None):
         self.tokenizer = tokenizer
         self.max_length = max_length
+        if use_chat_template is None:
+            use_chat_template = getattr(tokenizer, "chat_template", None) is not None
         self.use_chat_template = use_chat_template
         self.system_prompt = system_prompt
         self.num_truncated = 0

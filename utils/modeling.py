@@ -36,6 +36,22 @@ def check_attn_implementation(name: str, on_cuda: bool):
         raise UsageError("--attn_implementation flash_attention_2 needs a CUDA GPU; use sdpa on CPU")
 
 
+def check_same_vocabulary(path, flag, tokenizer, trust_remote_code=False):
+    """A model that reads the policy's token ids (the critic) must share its vocabulary."""
+    if path is None:
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        other = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        return  # no tokenizer in that folder: nothing to compare (the model's config is checked at load)
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise UsageError(f"{flag} {path}: its tokenizer differs from the policy's; this model reads the policy's "
+                         "token ids, so it must share its vocabulary (a reward model with another tokenizer belongs "
+                         "in --reward_model_name_or_path)")
+
+
 def load_tokenizer(model_name_or_path, trust_remote_code=False):
     """The model's tokenizer (or the toy one), left-padding, with a pad token."""
     from transformers import AutoTokenizer
@@ -134,10 +150,6 @@ def eos_token_ids(tokenizer, model) -> list:
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
     return sorted(i for i in ids if i is not None)
-
-
-def count_parameters(model):
-    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def check_replicas_in_sync(accelerator, model):

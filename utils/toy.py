@@ -33,12 +33,11 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, attn_implementation="sdpa"):
-    """A tiny causal LM whose vocabulary is exactly the tokenizer's (so every sampled id decodes)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(tokenizer, hidden_size, num_layers, **extra):
+    """A tiny Llama config whose vocabulary is exactly the tokenizer's (so every sampled id decodes)."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -47,39 +46,39 @@ def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int
         num_key_value_heads=2,
         max_position_embeddings=tokenizer.model_max_length,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
+        **extra,
     )
-    config._attn_implementation = attn_implementation
+
+
+def _seeded(build, seed):
+    """build() with a fixed seed: the same weights on every rank, the global RNG untouched."""
+    import torch
+
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):  # the same weights on every rank, RNG untouched
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        return build()
+
+
+def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, attn_implementation="sdpa"):
+    """The tiny causal LM (the policy)."""
+    from transformers import LlamaForCausalLM
+
+    config = _config(tokenizer, hidden_size, num_layers, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                     tie_word_embeddings=True)
+    config._attn_implementation = attn_implementation
+    model = _seeded(lambda: LlamaForCausalLM(config), seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
 
 
 def build_sequence_classifier(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
-    """A tiny reward model (sequence classification, one label) sharing the toy tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    """A tiny reward model / critic body (sequence classification, one label)."""
+    from transformers import LlamaForSequenceClassification
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=tokenizer.model_max_length,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForSequenceClassification(config)
+    config = _config(tokenizer, hidden_size, num_layers, num_labels=1)
+    return _seeded(lambda: LlamaForSequenceClassification(config), seed)
 
 
 def build_dataset(num_prompts: int = 2000, seed: int = 0):

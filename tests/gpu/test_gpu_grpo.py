@@ -1,19 +1,15 @@
 """GPU paths of train_grpo.py (skipped without CUDA). Run on the device machine:
     python -m pytest -q -s tests/gpu
 """
-import json
-import os
 import re
 
 import pytest
 import torch
 
+from gpu_fixtures import local_model, local_reward_model  # noqa: F401 (fixtures)
+from helpers import metrics_of
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def metrics_of(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_debug_on_one_gpu_learns(run, tmp_path):

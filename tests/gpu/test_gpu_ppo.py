@@ -1,20 +1,16 @@
 """GPU paths of train_ppo.py and per-role placement (skipped without CUDA). On the device machine:
     python -m pytest -q -s tests/gpu
 Tests that need two GPUs skip on one."""
-import json
-import os
 import re
 
 import pytest
 import torch
 
+from gpu_fixtures import local_model, local_reward_model  # noqa: F401 (fixtures)
+from helpers import metrics_of
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-
-
-def metrics_of(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def table_and_peaks(stdout):

@@ -1,3 +1,4 @@
+"""Fixtures of the GPU tests: small models saved as local folders."""
 import pytest
 
 
