@@ -175,11 +175,11 @@ def main(argv=None):
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
-    from utils.modeling import (DTYPES, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
-                                frozen_dtype, load_causal_lm, load_tokenizer, resolve_mixed_precision)
+    from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
+                                frozen_dtype, load_causal_lm, load_tokenizer, lora_kwargs, resolve_mixed_precision)
     from utils.ops import batched_completion_logprobs, completion_logprobs
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
-    from utils.placement import place_model, placement_table, prepare_trained, resolve_placements
+    from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
 
     # ---- 1. arguments, checked before any model loads -------------------------------------------
     try:
@@ -220,11 +220,15 @@ def main(argv=None):
                            args.trust_remote_code, args.disable_dropout, seed=args.seed)
     if args.use_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.use_lora:
+        model = apply_lora(model, **lora_kwargs(args))
     model = place_model(model, placements["actor"])
     home = placements["actor"].device  # rollout tensors live with the policy's inputs
     table = [("actor", placements["actor"], True)]
-    ref_model = None
-    if args.beta > 0:  # the frozen initial policy, for the KL penalty
+    ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the policy, adapter off
+    if args.beta > 0 and args.use_lora:
+        table.append(("ref", Placement("ref", "adapter", home), False))
+    elif args.beta > 0:
         ref_model = load_causal_lm(args.model_name_or_path, tokenizer, frozen, args.attn_implementation,
                                    args.trust_remote_code, True, seed=args.seed)
         ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
@@ -254,7 +258,8 @@ def main(argv=None):
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
     timer = PhaseTimer(home)
     if is_main:
-        print(f"model {args.model_name_or_path or 'embedded tiny model (toy task)'} ({args.torch_dtype}), "
+        print(f"model {args.model_name_or_path or 'embedded tiny model (toy task)'} ({args.torch_dtype}"
+              f"{', LoRA r=%d' % args.lora_r if args.use_lora else ''}), "
               f"rewards: {', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
               f"{args.prompts_per_step} prompts x {G} generations per step; per process {local_completions} "
@@ -289,10 +294,10 @@ def main(argv=None):
 
         # 2. reference logprobs (frozen initial policy) for the KL penalty
         ref_logprobs = None
-        if ref_model is not None:
-            with timer.phase("ref"):
-                ref_logprobs = batched_completion_logprobs(ref_model, input_ids, attention_mask, C,
-                                                           args.temperature, mb)  # [B, C]
+        if args.beta > 0:
+            with timer.phase("ref"), unwrapped.disable_adapter() if ref_model is None else nullcontext():
+                ref_logprobs = batched_completion_logprobs(unwrapped if ref_model is None else ref_model, input_ids,
+                                                           attention_mask, C, args.temperature, mb)  # [B, C]
 
         # 3. rewards: every function on every completion, weighted sum; gathered over processes
         with timer.phase("reward"):

@@ -218,13 +218,12 @@ def main(argv=None):
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
-    from utils.modeling import (DTYPES, check_attn_implementation, check_replicas_in_sync, check_same_vocabulary,
-                                eos_token_ids,
-                                frozen_dtype, load_causal_lm, load_tokenizer, load_value_model,
-                                resolve_mixed_precision)
+    from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
+                                check_same_vocabulary, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
+                                load_value_model, lora_kwargs, resolve_mixed_precision)
     from utils.ops import batched_completion_logprobs, completion_logprobs, completion_values, masked_whiten
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
-    from utils.placement import place_model, placement_table, prepare_trained, resolve_placements
+    from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
 
     # ---- 1. arguments, checked before any model loads -------------------------------------------
     try:
@@ -266,16 +265,22 @@ def main(argv=None):
     actor = load_causal_lm(args.model_name_or_path, tokenizer, train_dtype, args.attn_implementation,
                            args.trust_remote_code, args.disable_dropout, seed=args.seed)
     critic = load_value_model(args.critic_model_name_or_path or args.model_name_or_path, tokenizer, train_dtype,
-                              args.attn_implementation, args.trust_remote_code, args.disable_dropout, seed=args.seed)
+                              args.attn_implementation, args.trust_remote_code, args.disable_dropout, seed=args.seed,
+                              lora=lora_kwargs(args))
     if args.use_gradient_checkpointing:
         for model in (actor, critic):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.use_lora:
+        actor = apply_lora(actor, **lora_kwargs(args))
     actor = place_model(actor, placements["actor"])
     critic = place_model(critic, placements["critic"])
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
-    ref_model = None
-    if args.kl_coef > 0 or args.target_kl is not None:  # the frozen initial policy, for the KL penalty
+    use_ref = args.kl_coef > 0 or args.target_kl is not None
+    ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the actor, adapter off
+    if use_ref and args.use_lora:
+        table.append(("ref", Placement("ref", "adapter", home), False))
+    elif use_ref:
         ref_model = load_causal_lm(args.model_name_or_path, tokenizer, frozen, args.attn_implementation,
                                    args.trust_remote_code, True, seed=args.seed)
         ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
@@ -309,7 +314,8 @@ def main(argv=None):
     timer = PhaseTimer(home)
     sum_over_processes = lambda t: accelerator.reduce(t, reduction="sum")  # noqa: E731
     if is_main:
-        print(f"actor {args.model_name_or_path or 'embedded tiny model (toy task)'} ({args.torch_dtype}), critic "
+        print(f"actor {args.model_name_or_path or 'embedded tiny model (toy task)'} ({args.torch_dtype}"
+              f"{', LoRA r=%d' % args.lora_r if args.use_lora else ''}), critic "
               f"{args.critic_model_name_or_path or 'actor weights + value head'}, rewards: "
               f"{', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
@@ -344,10 +350,10 @@ def main(argv=None):
             old_logprobs = batched_completion_logprobs(unwrapped_actor, input_ids, attention_mask, C,
                                                        args.temperature, mb)  # [B, C]
         ref_logprobs = old_logprobs  # no KL penalty: no reference model
-        if ref_model is not None:
-            with timer.phase("ref"):
-                ref_logprobs = batched_completion_logprobs(ref_model, input_ids, attention_mask, C,
-                                                           args.temperature, mb)  # [B, C]
+        if use_ref:
+            with timer.phase("ref"), unwrapped_actor.disable_adapter() if ref_model is None else nullcontext():
+                ref_logprobs = batched_completion_logprobs(unwrapped_actor if ref_model is None else ref_model,
+                                                           input_ids, attention_mask, C, args.temperature, mb)
         with timer.phase("values"), torch.no_grad():
             old_values = torch.cat([completion_values(unwrapped_critic, input_ids[i:i + mb], attention_mask[i:i + mb], C)
                                     for i in range(0, local_size, mb)])  # [B, C]

@@ -57,6 +57,8 @@ BAD_INPUTS = [
     (["--reward_weights", "1,2"], "--reward_weights has 2 values for 1 rewards (accuracy)"),
     (["--reward_funcs", "none"], "no reward"),
     (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--use_lora", "--ref_device", "cpu"], "--ref_device cpu: with --use_lora the reference is the policy with its adapter disabled"),
+    (["--use_lora", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1)"),
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
 ]
 

@@ -114,3 +114,20 @@ def test_tensorboard_and_flags_reach_the_loop(run, tmp_path):
     rows = metrics_of(tmp_path)
     assert "time/old_logprobs" in rows[0]  # num_iterations > 1 computes old logprobs
     assert rows[0]["optim/lr"] < 3e-3  # warmup
+
+
+def test_lora_policy_reference_without_a_copy_and_exact_resume(run, tmp_path):
+    common = ["--use_lora", "--lora_r", "4", "--max_steps", "4", "--save_steps", "2", "--learning_rate", "1e-2"]
+    full = run([*common, "--output_dir", str(tmp_path / "full")])
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "ref     the actor with its LoRA adapter disabled" in full.stdout
+    assert metrics_of(tmp_path / "full")[-1]["policy/kl"] > 0  # the adapter moved the policy off the reference
+    resumed = run([*common, "--output_dir", str(tmp_path / "resumed"),
+                   "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-2")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(tmp_path / "full" / "final", tmp_path / "resumed" / "final")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert not [k for k in load_file(str(tmp_path / "full" / "final" / "model.safetensors")) if "lora" in k]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")  # merged: plain from_pretrained loads it

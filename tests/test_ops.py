@@ -99,3 +99,28 @@ def test_sampled_frequencies_follow_the_model():
     top = probs.topk(5).indices
     assert probs[top].sum() > 0.3
     torch.testing.assert_close(counts[top], probs[top], atol=0.03, rtol=0)
+
+
+def test_lora_reference_is_the_base_model_with_the_adapter_disabled():
+    """With --use_lora the reference logprobs come from the policy with its adapter disabled:
+    they must equal those of an untouched copy of the base model, while the adapted policy differs."""
+    import copy
+
+    from utils.modeling import apply_lora
+
+    tokenizer = toy.build_tokenizer()
+    base = toy.build_model(tokenizer, seed=4)
+    untouched = copy.deepcopy(base).eval()
+    policy = apply_lora(base, r=4, alpha=8, dropout=0.0, target_modules="all-linear").eval()
+    with torch.no_grad():  # a trained adapter: B is no longer zero
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    mask = torch.ones_like(ids)
+    want, _ = completion_logprobs(untouched, ids, mask, 3)
+    with policy.disable_adapter():
+        ref, _ = completion_logprobs(policy, ids, mask, 3)
+    adapted, _ = completion_logprobs(policy, ids, mask, 3)
+    torch.testing.assert_close(ref, want)
+    assert (adapted - want).abs().max() > 1e-3

@@ -124,3 +124,11 @@ def test_no_reference_model_without_kl(run, tmp_path):
     assert not re.search(r"^ref\s", result.stdout, flags=re.M)
     rows = metrics_of(tmp_path)
     assert "time/ref" not in rows[-1] and rows[-1]["policy/kl"] == 0
+
+
+def test_lora_actor_and_critic(run, tmp_path):
+    result = run(["--use_lora", "--lora_r", "4", "--max_steps", "2", "--output_dir", str(tmp_path)],
+                 script="train_ppo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ref     the actor with its LoRA adapter disabled" in result.stdout
+    assert metrics_of(tmp_path)[-1]["optim/critic_grad_norm"] > 0

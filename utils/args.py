@@ -20,6 +20,12 @@ class SharedArgs:
     system_prompt: Optional[str] = field(default=None, metadata={"help": "System message put before each prompt (chat template) or a line before it (raw)."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub (from_pretrained's trust_remote_code)."})
     disable_dropout: bool = field(default=True, metadata={"help": "Set dropout to 0 in trained models so old and new logprobs agree; --no_disable_dropout keeps it."})
+    # --- LoRA (PEFT): the reference is then the policy with its adapter disabled, no second copy
+    use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights (actor, and the critic with its value head fully trained)."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA path; 0 keeps old and new logprobs consistent."})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma list of module names to adapt (e.g. q_proj,v_proj), or all-linear."})
     # --- placement (utils/placement.py; several processes: cuda:N is the N-th GPU the process owns)
     actor_device: Optional[str] = field(default=None, metadata={"help": "Policy placement: cpu, cuda:N or balanced (layers split over this process's GPUs); default: the process's device."})
     ref_device: Optional[str] = field(default=None, metadata={"help": "Reference placement: cpu, cuda:N, balanced, or offload (CPU memory, run on --offload_execution_device)."})
@@ -94,6 +100,14 @@ def check_shared_args(args):
             raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
     if not 0 <= args.warmup_ratio < 1:
         raise UsageError(f"--warmup_ratio must be in [0, 1) (got {args.warmup_ratio})")
+    if args.use_lora:
+        if args.lora_r < 1 or args.lora_alpha <= 0:
+            raise UsageError(f"--lora_r must be at least 1 and --lora_alpha > 0 (got {args.lora_r}, {args.lora_alpha})")
+        if not 0 <= args.lora_dropout < 1:
+            raise UsageError(f"--lora_dropout must be in [0, 1) (got {args.lora_dropout})")
+        if args.ref_device is not None:
+            raise UsageError(f"--ref_device {args.ref_device}: with --use_lora the reference is the policy with its "
+                             "adapter disabled, so there is no copy to place")
     if args.save_total_limit is not None and args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit must be at least 1 (got {args.save_total_limit})")
 

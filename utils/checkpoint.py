@@ -94,12 +94,18 @@ def load_checkpoint(accelerator, path):
 
 
 def save_pretrained_atomic(accelerator, model, tokenizer, path):
-    """The trained model as one folder that `from_pretrained` loads, written atomically."""
-    state_dict = accelerator.get_state_dict(model)
+    """The trained model as one folder that `from_pretrained` loads, written atomically. A LoRA
+    model is merged into its base weights first (so call this last)."""
+    unwrapped = accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "merge_and_unload"):  # PEFT
+        unwrapped = unwrapped.merge_and_unload()
+        state_dict = unwrapped.state_dict()
+    else:
+        state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if os.path.exists(path):
             shutil.rmtree(path)
@@ -143,12 +149,13 @@ class Checkpointer:
 
     def start(self, resume_path) -> dict:
         """Restore `resume_path` (-> its trainer state) or prepare a fresh output_dir (-> {})."""
+        if self.accelerator.is_main_process:
+            os.makedirs(self.output_dir, exist_ok=True)  # a resumed run may write to a new output_dir
         if resume_path:
             return load_checkpoint(self.accelerator, resume_path)
         if self.accelerator.is_main_process:
             import warnings
 
-            os.makedirs(self.output_dir, exist_ok=True)
             if list_checkpoints(self.output_dir):
                 warnings.warn(f"{self.output_dir} already holds checkpoints; this run starts from scratch "
                               "(use --resume_from_checkpoint latest to continue)")

@@ -102,14 +102,15 @@ class ValueModel(torch.nn.Module):
         self.config = model.config
 
     def forward(self, input_ids, attention_mask, position_ids=None):
-        backbone = getattr(self.model, self.model.base_model_prefix)
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        backbone = getattr(inner, inner.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-        head = self.model.score
-        return head(hidden.to(head.weight.device)).squeeze(-1)
+        return inner.score(hidden).squeeze(-1)
 
     def gradient_checkpointing_enable(self, **kwargs):
-        self.model.gradient_checkpointing_enable(**kwargs)
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        inner.gradient_checkpointing_enable(**kwargs)
 
     @property
     def _no_split_modules(self):  # what a device_map must keep whole (decoder layers)
@@ -117,7 +118,7 @@ class ValueModel(torch.nn.Module):
 
 
 def load_value_model(model_name_or_path, tokenizer, dtype, attn_implementation="sdpa", trust_remote_code=False,
-                     disable_dropout=True, seed=0):
+                     disable_dropout=True, seed=0, lora=None):
     """The critic as a ValueModel: from a reward-model checkpoint, or from a causal LM (its
     weights plus a new scalar head); None: the toy actor's weights plus a head."""
     from transformers import AutoModelForSequenceClassification
@@ -141,7 +142,30 @@ def load_value_model(model_name_or_path, tokenizer, dtype, attn_implementation="
                 module.p = 0.0
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    if lora:
+        model = apply_lora(model, task_type="SEQ_CLS", **lora)
     return ValueModel(model)
+
+
+def apply_lora(model, r, alpha, dropout, target_modules, task_type="CAUSAL_LM"):
+    """Wrap `model` with trainable LoRA adapters (PEFT); its own weights are frozen. For
+    SEQ_CLS (the critic) PEFT also trains the value head in full."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
+    return get_peft_model(model, config)
+
+
+def lora_kwargs(args):
+    """The LoRA settings from the flags, or None without --use_lora."""
+    if not args.use_lora:
+        return None
+    return dict(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target_modules=args.lora_target_modules)
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
 def eos_token_ids(tokenizer, model) -> list:

@@ -31,7 +31,7 @@ _VALID = "cpu, cuda, cuda:N, balanced (or auto) or offload"
 @dataclass
 class Placement:
     role: str
-    kind: str  # "device" | "balanced" | "offload"
+    kind: str  # "device" | "balanced" | "offload" | "adapter" (LoRA reference: the policy, adapter disabled)
     device: torch.device  # where inputs go: the device, the first balanced GPU, or the offload execution device
     gpus: list = field(default_factory=list)  # physical GPU ids a balanced role may use
     num_params: int = 0  # recorded by place_model, for the placement table
@@ -43,6 +43,8 @@ class Placement:
             return "balanced: layers on " + ", ".join(str(d) for d in self.layer_devices)
         if self.kind == "offload":
             return f"cpu memory, runs on {self.device} (offload)"
+        if self.kind == "adapter":
+            return f"the actor with its LoRA adapter disabled ({self.device})"
         return str(self.device)
 
 
