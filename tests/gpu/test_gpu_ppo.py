@@ -52,6 +52,17 @@ def test_placements_on_one_gpu(run, tmp_path, local_model, local_reward_model):
     assert "reward/reward_model/mean" in rows[-1]
 
 
+def test_lora_actor_and_critic_on_gpu(run, tmp_path, local_model):
+    out = tmp_path / "out"
+    result = run(ppo_args(local_model, out, "--use_lora", "--use_gradient_checkpointing", "--learning_rate", "1e-3"),
+                 script="train_ppo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(table_and_peaks(result.stdout))
+    assert "the actor with its LoRA adapter disabled" in result.stdout
+    rows = metrics_of(out)
+    assert all(r["optim/skipped_steps"] == 0 for r in rows) and rows[-1]["policy/kl"] > 0
+
+
 def test_balanced_roles_on_one_gpu(run, tmp_path, local_model):
     out = tmp_path / "out"
     result = run(ppo_args(local_model, out, "--actor_device", "balanced", "--critic_device", "auto",
