@@ -84,3 +84,21 @@ def test_bad_reward_specs(tmp_path, spec, message):
 def test_reward_function_returning_wrong_length():
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         call_reward_function(lambda completions, **kw: [1.0], "f", ["a", "b"], ["p", "q"], {})
+
+
+def test_reward_model_reads_the_last_real_token_whatever_the_padding(tmp_path):
+    import torch
+
+    from utils import toy
+    from utils.placement import Placement
+    from utils.rewards import RewardModel
+
+    tokenizer = toy.build_tokenizer()
+    toy.build_sequence_classifier(tokenizer, seed=3).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    rm = RewardModel(str(tmp_path), Placement("reward", "device", torch.device("cpu")), torch.float32, batch_size=8)
+    prompts, completions = ["1+1=", "2+2=", "3+3="], ["2", "4 and some more text", ""]
+    together = rm(completions, prompts)
+    alone = [rm([c], [p])[0] for p, c in zip(prompts, completions)]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert len(set(round(x, 6) for x in together)) == 3

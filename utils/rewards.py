@@ -188,12 +188,10 @@ class RewardModel:
     name = "reward_model"
 
     def __init__(self, path, placement, dtype, fallback_tokenizer=None, batch_size=16, trust_remote_code=False):
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from utils.placement import place_model
 
-        self.torch = torch
         self.model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
         )
@@ -228,30 +226,25 @@ class RewardModel:
 
     def __call__(self, completions, prompts, **kwargs):
         """One score per completion: the model's output at the last non-pad token."""
-        torch = self.torch
+        import torch
+
         texts = [self._text(p, c) for p, c in zip(prompts, completions)]
+        # the chat template already holds the special tokens it wants
+        ids = self.tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
+        too_long = sum(len(x) > self.max_length for x in ids)
+        if too_long:
+            self.num_truncated += too_long
+            warnings.warn(f"reward model: {too_long} inputs are longer than its {self.max_length} positions; "
+                          "they were cut from the left (the end of the completion is kept)")
+        ids = [x[-self.max_length :] for x in ids]
+        pad = self.tokenizer.pad_token_id
         scores = []
-        for i in range(0, len(texts), self.batch_size):
-            chunk = texts[i : i + self.batch_size]
-            full = self.tokenizer(chunk, add_special_tokens=not self.use_chat_template)["input_ids"]
-            too_long = sum(len(ids) > self.max_length for ids in full)
-            if too_long:
-                self.num_truncated += too_long
-                warnings.warn(
-                    f"reward model: {too_long} inputs are longer than its {self.max_length} positions; "
-                    "they were cut from the left (the end of the completion is kept)"
-                )
-            self.tokenizer.truncation_side = "left"
-            self.tokenizer.padding_side = "right"
-            enc = self.tokenizer(
-                chunk,
-                add_special_tokens=not self.use_chat_template,
-                truncation=True,
-                max_length=self.max_length,
-                padding=True,
-                return_tensors="pt",
-            ).to(self.device)
+        for i in range(0, len(ids), self.batch_size):
+            chunk = ids[i : i + self.batch_size]
+            width = max(len(x) for x in chunk)
+            input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in chunk], device=self.device)  # right-padded
+            attention_mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in chunk], device=self.device)
             with torch.no_grad():
-                logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+                logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
             scores += logits[:, 0].float().tolist()
         return scores

@@ -15,9 +15,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_debug_on_one_gpu_learns(run, tmp_path):
     result = run(["--debug", "--output_dir", str(tmp_path)])
     assert result.returncode == 0, result.stderr[-3000:]
-    print(result.stdout.splitlines()[0:2], result.stdout.splitlines()[-1])
     assert "mixed_precision=bf16" in result.stdout and "device=cuda" in result.stdout
-    before, after = map(float, re.search(r"first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", result.stdout).groups())
+    line = re.search(r"reward: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+).*", result.stdout)
+    print(line.group(0))
+    before, after = float(line.group(1)), float(line.group(2))
     assert after > before + 0.4
     last = metrics_of(tmp_path)[-1]
     for phase in ("generate", "ref", "reward", "actor_update"):
