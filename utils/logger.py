@@ -50,8 +50,10 @@ class MetricsLogger:
         return " ".join(parts)
 
     def close(self):
-        if self.report_to != "none":
-            self.accelerator.end_training()
+        """Finish the trackers and tear down the process group (a process group left alive at
+        exit can abort the interpreter: "terminate called without an active exception")."""
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
 
 
 def first_last_line(history, final_dir) -> str:
