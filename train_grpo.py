@@ -173,7 +173,7 @@ def main(argv=None):
     from utils.checkpoint import Checkpointer, resolve_resume, save_pretrained_atomic
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
-    from utils.logger import MetricsLogger, check_report_to, first_last_line
+    from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
                                 frozen_dtype, load_causal_lm, load_tokenizer, lora_kwargs, resolve_mixed_precision)
@@ -351,8 +351,6 @@ def main(argv=None):
 
         # 7. metrics: one reduction for the update sums, gathered tensors for the rest
         global_sums = accelerator.reduce(sums, reduction="sum")
-        lengths = accelerator.gather(completion_mask.sum(1).float())
-        truncated = accelerator.gather(is_truncated.float())
         reward_history.append(all_rewards.mean().item())
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             tokens = max(global_sums[3].item(), 1.0)
@@ -367,28 +365,18 @@ def main(argv=None):
                 "policy/kl": global_sums[0].item() / tokens,
                 "policy/clipfrac": global_sums[1].item() / tokens,
                 "policy/entropy": global_sums[2].item() / tokens,
-                "completions/mean_length": lengths.mean().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/truncated_frac": truncated.mean().item(),
                 "optim/lr": scheduler.get_last_lr()[0],
                 "optim/grad_norm": torch.stack(grad_norms).mean().item(),
                 "optim/skipped_steps": guard.total,
                 "memory/host_peak_rss_gib": host_peak_rss_gib(),
             }
-            for j, (name, _) in enumerate(reward_fns):
-                metrics[f"reward/{name}/mean"] = all_rewards_per_func[:, j].nanmean().item()
-                metrics[f"reward/{name}/std"] = all_rewards_per_func[:, j].std().item()
-            metrics |= timer.metrics
-            metrics["time/step"] = time.perf_counter() - step_start
-            metrics["throughput/tokens_per_s"] = lengths.sum().item() / metrics["time/step"]
-            logger.log(metrics, step + 1)
+            metrics |= rollout_metrics(accelerator, completion_mask, is_truncated, all_rewards_per_func,
+                                       [name for name, _ in reward_fns])
+            logger.log_step(metrics, step + 1, timer, step_start, verbose=args.debug)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['policy/kl']:.3g}")
-            if args.debug and is_main:
-                tqdm.write(logger.console_line(metrics, step + 1) + " || " + timer.summary())
-                if step % 25 == 0:
-                    tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} "
-                               f"(reward {rewards_per_func[0].tolist()})")
+            if args.debug and is_main and step % 25 == 0:
+                tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} "
+                           f"(reward {rewards_per_func[0].tolist()})")
 
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)
         signum = checkpointer.after_step(step + 1, args.max_steps, {"total_skipped": guard.total})

@@ -216,7 +216,7 @@ def main(argv=None):
     from utils.checkpoint import Checkpointer, resolve_resume, save_pretrained_atomic
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
-    from utils.logger import MetricsLogger, check_report_to, first_last_line
+    from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
@@ -427,7 +427,6 @@ def main(argv=None):
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             global_sums = sum_over_processes(sums)
             tokens = max(global_sums[4].item(), 1.0)
-            lengths = accelerator.gather(completion_mask.sum(1).float())
             all_rewards_per_func = accelerator.gather(rewards_per_func)
             stats = sum_over_processes(torch.stack([
                 (returns * mask).sum(), (returns ** 2 * mask).sum(), ((returns - old_values) * mask).sum(),
@@ -451,10 +450,6 @@ def main(argv=None):
                 "value/mean": (stats[4] / n).item(),
                 "value/returns_mean": (stats[0] / n).item(),
                 "value/explained_variance": (1 - var_residual / var_returns.clamp(min=1e-8)).item(),
-                "completions/mean_length": lengths.mean().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/truncated_frac": accelerator.gather(is_truncated.float()).mean().item(),
                 "optim/lr": actor_scheduler.get_last_lr()[0],
                 "optim/critic_lr": critic_scheduler.get_last_lr()[0],
                 "optim/grad_norm": norms_mean[0].item(),
@@ -462,17 +457,12 @@ def main(argv=None):
                 "optim/skipped_steps": guard.total,
                 "memory/host_peak_rss_gib": host_peak_rss_gib(),
             }
-            for j, (name, _) in enumerate(reward_fns):
-                metrics[f"reward/{name}/mean"] = all_rewards_per_func[:, j].nanmean().item()
-            metrics |= timer.metrics
-            metrics["time/step"] = time.perf_counter() - step_start
-            metrics["throughput/tokens_per_s"] = lengths.sum().item() / metrics["time/step"]
-            logger.log(metrics, step + 1)
+            metrics |= rollout_metrics(accelerator, completion_mask, is_truncated, all_rewards_per_func,
+                                       [name for name, _ in reward_fns])
+            logger.log_step(metrics, step + 1, timer, step_start, verbose=args.debug)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{observed_kl:.3g}")
-            if args.debug and is_main:
-                tqdm.write(logger.console_line(metrics, step + 1) + " || " + timer.summary())
-                if step % 25 == 0:
-                    tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} (score {scores[0].item():.3f})")
+            if args.debug and is_main and step % 25 == 0:
+                tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} (score {scores[0].item():.3f})")
 
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)
         trainer_state = {"total_skipped": guard.total, "kl_coef": kl_coef}

@@ -42,6 +42,21 @@ class MetricsLogger:
         if self.report_to != "none":
             self.accelerator.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
 
+    def log_step(self, metrics, step, timer, step_start, verbose=False):
+        """Add the step's phase times and memory, its duration and completion tokens/s; write
+        the row; with `verbose` print the console line and the per-phase summary."""
+        import time
+
+        metrics |= timer.metrics
+        metrics["time/step"] = time.perf_counter() - step_start
+        metrics["throughput/tokens_per_s"] = metrics["completions/total_tokens"] / metrics["time/step"]
+        self.log(metrics, step)
+        if verbose and self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            tqdm.write(self.console_line(metrics, step) + " || " + timer.summary())
+        return metrics
+
     def console_line(self, metrics, step) -> str:
         parts = [f"step {step}"]
         for key, label in self.CONSOLE:
@@ -54,6 +69,22 @@ class MetricsLogger:
         exit can abort the interpreter: "terminate called without an active exception")."""
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+
+
+def rollout_metrics(accelerator, completion_mask, is_truncated, all_rewards_per_func, reward_names):
+    """Completion lengths and per-reward-function statistics over all processes."""
+    lengths = accelerator.gather(completion_mask.sum(1).float())
+    metrics = {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/truncated_frac": accelerator.gather(is_truncated.float()).mean().item(),
+        "completions/total_tokens": lengths.sum().item(),
+    }
+    for j, name in enumerate(reward_names):
+        metrics[f"reward/{name}/mean"] = all_rewards_per_func[:, j].nanmean().item()
+        metrics[f"reward/{name}/std"] = all_rewards_per_func[:, j].std().item() if len(all_rewards_per_func) > 1 else 0.0
+    return metrics
 
 
 def first_last_line(history, final_dir) -> str:
