@@ -126,8 +126,9 @@ def aggregate_loss(per_token_loss, loss_mask, loss_type, num_sequences, num_toke
 # Arguments: presets, derived sizes, validation (everything here runs before a model loads)
 
 
-def check_args(args, num_processes):
-    """Validate flags and derive per-process sizes; raises UsageError naming the flag."""
+def check_args(args, num_processes, explicit=frozenset()):
+    """Validate flags and derive per-process sizes; raises UsageError naming the flag. A
+    micro-batch the user did not set shrinks to divide this process's completions."""
     from utils.cli import UsageError
 
     check_shared_args(args)
@@ -151,6 +152,8 @@ def check_args(args, num_processes):
             "(every process generates whole groups); use a multiple of the process count"
         )
     local_completions = args.prompts_per_step // num_processes * args.num_generations
+    if local_completions % args.per_device_train_batch_size and "per_device_train_batch_size" not in explicit:
+        args.per_device_train_batch_size = math.gcd(args.per_device_train_batch_size, local_completions)
     if local_completions % args.per_device_train_batch_size:
         raise UsageError(
             f"--per_device_train_batch_size {args.per_device_train_batch_size} does not divide the {local_completions} "
@@ -192,7 +195,7 @@ def main(argv=None):
                               log_with=None if args.report_to == "none" else args.report_to)
     is_main, num_processes, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
     try:
-        local_completions = check_args(args, num_processes)
+        local_completions = check_args(args, num_processes, explicit)
         check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
         check_report_to(args.report_to)
         specs, reward_fns, reward_weights = reward_utils.resolve_rewards(

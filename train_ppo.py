@@ -152,8 +152,9 @@ def update_kl_coef(kl_coef, observed_kl, target_kl, num_samples, horizon):
 # Arguments: presets, derived sizes, validation (everything here runs before a model loads)
 
 
-def check_args(args, num_processes):
-    """Validate flags and derive per-process sizes; raises UsageError naming the flag."""
+def check_args(args, num_processes, explicit=frozenset()):
+    """Validate flags and derive per-process sizes; raises UsageError naming the flag. A
+    micro-batch the user did not set shrinks to divide this process's mini-batch."""
     from utils.cli import UsageError
 
     check_shared_args(args)
@@ -183,6 +184,8 @@ def check_args(args, num_processes):
         raise UsageError(f"--num_mini_batches {args.num_mini_batches} does not divide the {local} completions each "
                          f"process holds per step (--prompts_per_step {args.prompts_per_step} / {num_processes} processes)")
     mini = local // args.num_mini_batches
+    if mini % args.per_device_train_batch_size and "per_device_train_batch_size" not in explicit:
+        args.per_device_train_batch_size = math.gcd(args.per_device_train_batch_size, mini)
     if mini % args.per_device_train_batch_size:
         raise UsageError(f"--per_device_train_batch_size {args.per_device_train_batch_size} does not divide the "
                          f"{mini} completions of a mini-batch on each process ({local} / --num_mini_batches "
@@ -236,7 +239,7 @@ def main(argv=None):
                               log_with=None if args.report_to == "none" else args.report_to)
     is_main, num_processes, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
     try:
-        local_size, mini_size = check_args(args, num_processes)
+        local_size, mini_size = check_args(args, num_processes, explicit)
         check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
         check_report_to(args.report_to)
         specs, reward_fns, reward_weights = reward_utils.resolve_rewards(

@@ -121,3 +121,26 @@ def test_presets_fill_only_unset_flags():
     assert args.reward_funcs == "accuracy"
     train_grpo.check_args(args, num_processes=1)
     assert args.epsilon_high == args.epsilon  # clip-higher defaults to symmetric clipping
+
+
+@pytest.mark.parametrize("num_processes", [1, 2, 4, 8])
+@pytest.mark.parametrize("script_name", ["train_grpo", "train_ppo"])
+@pytest.mark.parametrize("debug_model", [None, "some/model"])
+def test_presets_fit_common_process_counts(script_name, num_processes, debug_model):
+    """`accelerate launch --multi_gpu --num_processes N train_*.py` works with the presets: a
+    micro-batch the user did not set shrinks to divide each process's share; one they set does not."""
+    import importlib
+
+    script = importlib.import_module(script_name)
+    argv = ["--debug"] + (["--model_name_or_path", debug_model] if debug_model else [])
+    args, explicit = parse_args(script.Args, argv)
+    script.apply_presets(args, explicit, script.TOY_PRESET, script.DEBUG_PRESET)
+    if debug_model and args.prompts_per_step % num_processes:
+        pytest.skip("the real-model --debug preset is meant for one process")
+    sizes = script.check_args(args, num_processes, explicit)
+    unit = sizes if script_name == "train_grpo" else sizes[1]
+    assert unit % args.per_device_train_batch_size == 0
+    args, explicit = parse_args(script.Args, ["--per_device_train_batch_size", "48"])
+    script.apply_presets(args, explicit, script.TOY_PRESET, script.DEBUG_PRESET)
+    with pytest.raises(UsageError, match="--per_device_train_batch_size 48 does not divide"):
+        script.check_args(args, num_processes, explicit)

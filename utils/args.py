@@ -47,7 +47,7 @@ class SharedArgs:
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (logprobs are computed at the same temperature)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold; 1.0 disables."})
     top_k: int = field(default=0, metadata={"help": "Sample from the k most likely tokens; 0 disables."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Completions per forward/backward micro-batch on each process; gradients accumulate over the rest of the optimizer step."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Completions per forward/backward micro-batch on each process; gradients accumulate over the rest of the optimizer step. Left unset, it shrinks to divide each process's share."})
     # --- optimisation
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy."})
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": "Learning-rate schedule after warmup."})
