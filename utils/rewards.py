@@ -212,7 +212,6 @@ class RewardModel:
         self.device = placement.device
         self.batch_size = batch_size
         self.use_chat_template = getattr(self.tokenizer, "chat_template", None) is not None
-        self.num_truncated = 0
 
     def _text(self, prompt, completion):
         if self.use_chat_template:
@@ -233,7 +232,6 @@ class RewardModel:
         ids = self.tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
         too_long = sum(len(x) > self.max_length for x in ids)
         if too_long:
-            self.num_truncated += too_long
             warnings.warn(f"reward model: {too_long} inputs are longer than its {self.max_length} positions; "
                           "they were cut from the left (the end of the completion is kept)")
         ids = [x[-self.max_length :] for x in ids]
