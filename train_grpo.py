@@ -33,7 +33,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import torch
+# CUDA allocator: segments that grow in place instead of new blocks per size, so memory freed by
+# one phase (KV cache, logits) is reused by the next instead of fragmenting; set before CUDA starts.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch  # noqa: E402
 
 from utils.args import SharedArgs, apply_presets, check_shared_args, divisors
 
@@ -131,7 +134,7 @@ def check_args(args, num_processes, explicit=frozenset()):
     micro-batch the user did not set shrinks to divide this process's completions."""
     from utils.cli import UsageError
 
-    check_shared_args(args)
+    check_shared_args(args, num_processes)
     if args.num_iterations < 1:
         raise UsageError(f"--num_iterations must be at least 1 (got {args.num_iterations})")
     if args.num_generations < 2:
@@ -179,8 +182,10 @@ def main(argv=None):
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
-                                frozen_dtype, load_causal_lm, load_tokenizer, lora_kwargs, resolve_mixed_precision)
-    from utils.ops import batched_completion_logprobs, completion_logprobs
+                                frozen_dtype, load_causal_lm, load_tokenizer, lora_kwargs, quantization_of,
+                                resolve_mixed_precision)
+    from utils.offload import ParamOffload, enable_activation_offload, resident
+    from utils.ops import batched_completion_logprobs, completion_logprobs, plan_micro_batches
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
     from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
 
@@ -216,33 +221,42 @@ def main(argv=None):
     set_seed(args.seed, device_specific=True)  # each rank samples differently
 
     # ---- 2. models: policy (trained), reference and reward model (frozen), each where it is placed --
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.tokenizer_name_or_path)
     train_dtype = DTYPES.get(args.torch_dtype, "auto")
     frozen = frozen_dtype(mixed_precision, train_dtype)
-    model = load_causal_lm(args.model_name_or_path, tokenizer, train_dtype, args.attn_implementation,
-                           args.trust_remote_code, args.disable_dropout, seed=args.seed)
+    home = placements["actor"].device  # rollout tensors live with the policy's inputs
+    quantized = quantization_of(args, trained=True)  # QLoRA: the base weights in 4/8 bits, frozen
+    model = load_causal_lm(args.model_name_or_path, tokenizer, frozen if quantized else train_dtype,
+                           args.attn_implementation, args.trust_remote_code, args.disable_dropout, seed=args.seed,
+                           quantization=quantized, device=home)
     if args.use_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.activation_offload:
+            enable_activation_offload(model)
     if args.use_lora:
         model = apply_lora(model, **lora_kwargs(args))
-    model = place_model(model, placements["actor"])
-    home = placements["actor"].device  # rollout tensors live with the policy's inputs
+    model = place_model(model, placements["actor"]).train()  # from_pretrained returns eval mode, where
+    # transformers skips gradient checkpointing
+    if args.param_offload:
+        ParamOffload(model, args.offload_policy, home)
     table = [("actor", placements["actor"], True)]
     ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the policy, adapter off
     if args.beta > 0 and args.use_lora:
         table.append(("ref", Placement("ref", "adapter", home), False))
     elif args.beta > 0:
         ref_model = load_causal_lm(args.model_name_or_path, tokenizer, frozen, args.attn_implementation,
-                                   args.trust_remote_code, True, seed=args.seed)
+                                   args.trust_remote_code, True, seed=args.seed, quantization=quantization_of(args),
+                                   device=placements["ref"].device)
         ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
         table.append(("ref", placements["ref"], False))
     if args.reward_model_name_or_path:
         reward_model = reward_utils.RewardModel(args.reward_model_name_or_path, placements["reward"], frozen,
-                                                fallback_tokenizer=tokenizer, trust_remote_code=args.trust_remote_code)
+                                                fallback_tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
+                                                quantization=quantization_of(args))
         reward_fns.append((reward_model.name, reward_model))
         table.append(("reward", placements["reward"], False))
     reward_weights = torch.tensor(reward_weights, device=home)
-    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.optim)
     optimizer_steps = args.max_steps * args.num_iterations
     scheduler = build_scheduler(optimizer, args.lr_scheduler_type, optimizer_steps,
                                 args.warmup_steps or int(args.warmup_ratio * optimizer_steps))
@@ -254,20 +268,26 @@ def main(argv=None):
                                                 args.top_k, tokenizer.pad_token_id, eos_ids)
     encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, args.use_chat_template,
                                             args.system_prompt)
-    checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit)
+    checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit,
+                                enabled=args.save_strategy != "no")
     state = checkpointer.start(resume_path)
     start_step = state.get("step", 0)
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
-    timer = PhaseTimer(home)
+    timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
+    chunk = args.logprob_chunk_size
+    entropy_mode = ("checkpointed" if args.entropy_checkpointing else "grad") if args.entropy_coef > 0 else "metric"
+    most_micro_batches = lambda n: int(accelerator.gather(torch.tensor([n], device=home)).max())  # noqa: E731
     if is_main:
         print(f"model {args.model_name_or_path or 'embedded tiny model (toy task)'} ({args.torch_dtype}"
-              f"{', LoRA r=%d' % args.lora_r if args.use_lora else ''}), "
+              f"{', LoRA r=%d' % args.lora_r if args.use_lora else ''}{', base in ' + quantized if quantized else ''}"
+              f"{', ' + unwrapped.lean_rl_param_offload.describe() if args.param_offload else ''}), optim {args.optim}, "
               f"rewards: {', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
               f"{args.prompts_per_step} prompts x {G} generations per step; per process {local_completions} "
-              f"completions in {local_completions // mb} micro-batches of {mb} | steps {start_step}->{args.max_steps}",
-              flush=True)
+              f"completions in " + (f"micro-batches of <= {args.max_token_len_per_gpu} tokens" if args.use_dynamic_bsz
+                                    else f"{local_completions // mb} micro-batches of {mb}")
+              + f" | steps {start_step}->{args.max_steps}", flush=True)
 
     # ---- 3. training loop --------------------------------------------------------------------------
     reward_history = []
@@ -287,20 +307,25 @@ def main(argv=None):
             prompt_ids = prompt_ids.repeat_interleave(G, 0)  # [B, P], B = b * G
             prompt_mask = prompt_mask.repeat_interleave(G, 0)
             completion_ids, completion_mask, is_truncated = generate_completions(
-                unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids)  # [B, C], [B, C], [B]
+                unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids,
+                args.generation_batch_size)  # [B, C], [B, C], [B]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]
         loss_mask = completion_mask.float()  # [B, C]
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~is_truncated).float().unsqueeze(1)
+        # micro-batches: --per_device_train_batch_size rows, or a token budget (--use_dynamic_bsz);
+        # each cut to the columns its rows use (no all-padding prompt or completion columns)
+        plan = plan_micro_batches(attention_mask, C, batch_size=mb, num_batches_at_least=most_micro_batches,
+                                  max_tokens=args.max_token_len_per_gpu if args.use_dynamic_bsz else None)
 
         # 2. reference logprobs (frozen initial policy) for the KL penalty
         ref_logprobs = None
         if args.beta > 0:
-            with timer.phase("ref"), unwrapped.disable_adapter() if ref_model is None else nullcontext():
+            with timer.phase("ref"), resident(unwrapped), unwrapped.disable_adapter() if ref_model is None else nullcontext():
                 ref_logprobs = batched_completion_logprobs(unwrapped if ref_model is None else ref_model, input_ids,
-                                                           attention_mask, C, args.temperature, mb)  # [B, C]
+                                                           attention_mask, plan, args.temperature, chunk)  # [B, C]
 
         # 3. rewards: every function on every completion, weighted sum; gathered over processes
         with timer.phase("reward"):
@@ -316,9 +341,9 @@ def main(argv=None):
         # 5. old-policy logprobs: needed only when the batch serves several updates
         old_logprobs = None
         if args.num_iterations > 1:
-            with timer.phase("old_logprobs"):
-                old_logprobs = batched_completion_logprobs(unwrapped, input_ids, attention_mask, C,
-                                                           args.temperature, mb)
+            with timer.phase("old_logprobs"), resident(unwrapped):
+                old_logprobs = batched_completion_logprobs(unwrapped, input_ids, attention_mask, plan,
+                                                           args.temperature, chunk)
 
         # 6. policy update: clipped surrogate over micro-batches, one optimizer step per iteration
         num_loss_tokens = accelerator.reduce(loss_mask.sum(), reduction="sum").item()
@@ -328,24 +353,26 @@ def main(argv=None):
         with timer.phase("actor_update"):
             for iteration in range(args.num_iterations):
                 step_loss = torch.zeros((), device=home)
-                for start in range(0, local_completions, mb):
-                    rows = slice(start, start + mb)
-                    last = start + mb >= local_completions  # all-reduce gradients on the last micro-batch only
+                for i, micro in enumerate(plan):
+                    last = i == len(plan) - 1  # all-reduce gradients on the last micro-batch only
                     with nullcontext() if last else accelerator.no_sync(model):
-                        logprobs, entropy = completion_logprobs(model, input_ids[rows], attention_mask[rows], C,
-                                                                args.temperature, with_entropy=True)
-                        old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
-                        ref = ref_logprobs[rows] if ref_logprobs is not None else None
+                        logprobs, entropy = completion_logprobs(  # [b, c]
+                            model, micro.window(input_ids), micro.window(attention_mask), micro.c, args.temperature,
+                            entropy=entropy_mode, chunk_size=chunk)
+                        old = micro.completion(old_logprobs) if old_logprobs is not None else logprobs.detach()
+                        ref = micro.completion(ref_logprobs) if ref_logprobs is not None else None
                         per_token, kl, is_clipped = per_token_policy_loss(
-                            logprobs, old, advantages[rows], args.epsilon, args.epsilon_high, ref, args.beta)
-                        mask = loss_mask[rows]
+                            logprobs, old, micro.take(advantages), args.epsilon, args.epsilon_high, ref, args.beta)
+                        if args.entropy_coef > 0:  # entropy bonus, normalised like the policy loss
+                            per_token = per_token - args.entropy_coef * entropy
+                        mask = micro.completion(loss_mask)
                         loss = aggregate_loss(per_token, mask, args.loss_type, num_sequences, num_loss_tokens,
                                               args.max_completion_length)
                         # DDP averages gradients over processes; the loss above is already a global share
                         accelerator.backward(loss * num_processes)
                     step_loss += loss.detach()
                     sums += torch.stack([(kl * mask).sum().detach(), (is_clipped * mask).sum(),
-                                         (entropy * mask).sum(), mask.sum()])
+                                         (entropy.detach() * mask).sum(), mask.sum()])
                 grad_norm, finite = clip_and_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
                                                   step_loss)
                 guard.record(finite, step)
@@ -391,7 +418,8 @@ def main(argv=None):
     progress.close()
     checkpointer.save(args.max_steps, {"total_skipped": guard.total})
     final_dir = os.path.join(args.output_dir, "final")
-    save_pretrained_atomic(accelerator, model, tokenizer, final_dir)
+    if args.save_strategy != "no":
+        save_pretrained_atomic(accelerator, model, tokenizer, final_dir)
     check_replicas_in_sync(accelerator, model)
     if is_main and reward_history:
         print(first_last_line(reward_history, final_dir), flush=True)

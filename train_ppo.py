@@ -36,7 +36,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import torch
+# CUDA allocator: segments that grow in place instead of new blocks per size, so memory freed by
+# one phase (KV cache, logits) is reused by the next instead of fragmenting; set before CUDA starts.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch  # noqa: E402
 
 from utils.args import SharedArgs, apply_presets, check_shared_args, divisors
 
@@ -157,7 +160,7 @@ def check_args(args, num_processes, explicit=frozenset()):
     micro-batch the user did not set shrinks to divide this process's mini-batch."""
     from utils.cli import UsageError
 
-    check_shared_args(args)
+    check_shared_args(args, num_processes)
     if args.critic_learning_rate is None:
         args.critic_learning_rate = args.learning_rate
     for name in ("num_mini_batches", "ppo_epochs", "kl_horizon"):
@@ -223,8 +226,10 @@ def main(argv=None):
     from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
-                                load_value_model, lora_kwargs, resolve_mixed_precision)
-    from utils.ops import batched_completion_logprobs, completion_logprobs, completion_values, masked_whiten
+                                load_value_model, lora_kwargs, quantization_of, resolve_mixed_precision)
+    from utils.offload import ParamOffload, enable_activation_offload, resident
+    from utils.ops import (batched_completion_logprobs, completion_logprobs, completion_values, masked_sum,
+                           masked_whiten, plan_micro_batches)
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
     from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
 
@@ -249,7 +254,7 @@ def main(argv=None):
                                         accelerator.device, args.offload_execution_device, num_processes)
         dataset = data_utils.load_task_dataset(args, accelerator, answer_required="accuracy" in specs)
         resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
-        tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.tokenizer_name_or_path)
         stop_ids = stop_token_ids(args.stop_token, tokenizer)
         check_same_vocabulary(args.critic_model_name_or_path, "--critic_model_name_or_path", tokenizer,
                               args.trust_remote_code)
@@ -265,18 +270,26 @@ def main(argv=None):
     # ---- 2. models: actor and critic (trained), reference and reward model (frozen) ------------------
     train_dtype = DTYPES.get(args.torch_dtype, "auto")
     frozen = frozen_dtype(mixed_precision, train_dtype)
-    actor = load_causal_lm(args.model_name_or_path, tokenizer, train_dtype, args.attn_implementation,
-                           args.trust_remote_code, args.disable_dropout, seed=args.seed)
-    critic = load_value_model(args.critic_model_name_or_path or args.model_name_or_path, tokenizer, train_dtype,
-                              args.attn_implementation, args.trust_remote_code, args.disable_dropout, seed=args.seed,
-                              lora=lora_kwargs(args))
+    quantized = quantization_of(args, trained=True)  # QLoRA: base weights in 4/8 bits, frozen
+    actor = load_causal_lm(args.model_name_or_path, tokenizer, frozen if quantized else train_dtype,
+                           args.attn_implementation, args.trust_remote_code, args.disable_dropout, seed=args.seed,
+                           quantization=quantized, device=placements["actor"].device)
+    critic = load_value_model(args.critic_model_name_or_path or args.model_name_or_path, tokenizer,
+                              frozen if quantized else train_dtype, args.attn_implementation, args.trust_remote_code,
+                              args.disable_dropout, seed=args.seed, lora=lora_kwargs(args), quantization=quantized,
+                              device=placements["critic"].device)
     if args.use_gradient_checkpointing:
         for model in (actor, critic):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if args.activation_offload:
+                enable_activation_offload(model)
     if args.use_lora:
         actor = apply_lora(actor, **lora_kwargs(args))
-    actor = place_model(actor, placements["actor"])
-    critic = place_model(critic, placements["critic"])
+    actor = place_model(actor, placements["actor"]).train()  # from_pretrained returns eval mode, where
+    critic = place_model(critic, placements["critic"]).train()  # transformers skips gradient checkpointing
+    if args.param_offload:
+        ParamOffload(actor, args.offload_policy, placements["actor"].device)
+        ParamOffload(critic, args.offload_policy, placements["critic"].device, strict=False)
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
     use_ref = args.kl_coef > 0 or args.target_kl is not None
@@ -285,19 +298,21 @@ def main(argv=None):
         table.append(("ref", Placement("ref", "adapter", home), False))
     elif use_ref:
         ref_model = load_causal_lm(args.model_name_or_path, tokenizer, frozen, args.attn_implementation,
-                                   args.trust_remote_code, True, seed=args.seed)
+                                   args.trust_remote_code, True, seed=args.seed, quantization=quantization_of(args),
+                                   device=placements["ref"].device)
         ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
         table.append(("ref", placements["ref"], False))
     if args.reward_model_name_or_path:
         reward_model = reward_utils.RewardModel(args.reward_model_name_or_path, placements["reward"], frozen,
-                                                fallback_tokenizer=tokenizer, trust_remote_code=args.trust_remote_code)
+                                                fallback_tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
+                                                quantization=quantization_of(args))
         reward_fns.append((reward_model.name, reward_model))
         table.append(("reward", placements["reward"], False))
     reward_weights = torch.tensor(reward_weights, device=home)
     optimizer_steps = args.max_steps * args.ppo_epochs * args.num_mini_batches
     warmup = args.warmup_steps or int(args.warmup_ratio * optimizer_steps)
-    actor_optimizer = build_optimizer(actor, args.learning_rate, args.weight_decay)
-    critic_optimizer = build_optimizer(critic, args.critic_learning_rate, args.weight_decay)
+    actor_optimizer = build_optimizer(actor, args.learning_rate, args.weight_decay, args.optim)
+    critic_optimizer = build_optimizer(critic, args.critic_learning_rate, args.weight_decay, args.optim)
     actor_scheduler = build_scheduler(actor_optimizer, args.lr_scheduler_type, optimizer_steps, warmup)
     critic_scheduler = build_scheduler(critic_optimizer, args.lr_scheduler_type, optimizer_steps, warmup)
     actor, actor_optimizer = prepare_trained(accelerator, actor, actor_optimizer, placements["actor"])
@@ -309,12 +324,17 @@ def main(argv=None):
                                                 args.top_k, tokenizer.pad_token_id, eos_ids)
     encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, args.use_chat_template,
                                             args.system_prompt)
-    checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit)
+    checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit,
+                                enabled=args.save_strategy != "no")
     state = checkpointer.start(resume_path)
     start_step, kl_coef = state.get("step", 0), state.get("kl_coef", args.kl_coef)
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
-    timer = PhaseTimer(home)
+    timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
+    chunk = args.logprob_chunk_size
+    entropy_mode = ("checkpointed" if args.entropy_checkpointing else "grad") if args.entropy_coef > 0 else "metric"
+    most_micro_batches = lambda n: int(accelerator.gather(torch.tensor([n], device=home)).max())  # noqa: E731
+    token_budget = args.max_token_len_per_gpu if args.use_dynamic_bsz else None
     sum_over_processes = lambda t: accelerator.reduce(t, reduction="sum")  # noqa: E731
     if is_main:
         print(f"actor {args.model_name_or_path or 'embedded tiny model (toy task)'} ({args.torch_dtype}"
@@ -323,8 +343,9 @@ def main(argv=None):
               f"{', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
               f"{args.prompts_per_step} prompts per step; per process {local_size} completions, "
-              f"{args.ppo_epochs} epochs x {args.num_mini_batches} mini-batches of {mini_size} "
-              f"in micro-batches of {mb} | steps {start_step}->{args.max_steps}", flush=True)
+              f"{args.ppo_epochs} epochs x {args.num_mini_batches} mini-batches of {mini_size} in micro-batches of "
+              + (f"<= {token_budget} tokens" if token_budget else f"{mb}") + f" | steps {start_step}->{args.max_steps}"
+              + f" | optim {args.optim}", flush=True)
 
     # ---- 3. training loop --------------------------------------------------------------------------
     score_history = []
@@ -342,24 +363,31 @@ def main(argv=None):
         with timer.phase("generate"):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [B, P]
             completion_ids, completion_mask, is_truncated = generate_completions(
-                unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids)  # [B, C], [B, C], [B]
+                unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
+                args.generation_batch_size)  # [B, C], [B, C], [B]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]
         mask = completion_mask.float()  # [B, C]
 
-        # 2. old logprobs (the rollout policy), reference logprobs, values
-        with timer.phase("old_logprobs"):
-            old_logprobs = batched_completion_logprobs(unwrapped_actor, input_ids, attention_mask, C,
-                                                       args.temperature, mb)  # [B, C]
+        # 2. old logprobs (the rollout policy), reference logprobs, values; micro-batches of
+        # --per_device_train_batch_size rows or a token budget, cut to the columns their rows use
+        plan = plan_micro_batches(attention_mask, C, batch_size=mb, max_tokens=token_budget,
+                                  num_batches_at_least=most_micro_batches)
+        with timer.phase("old_logprobs"), resident(unwrapped_actor):
+            old_logprobs = batched_completion_logprobs(unwrapped_actor, input_ids, attention_mask, plan,
+                                                       args.temperature, chunk)  # [B, C]
         ref_logprobs = old_logprobs  # no KL penalty: no reference model
         if use_ref:
-            with timer.phase("ref"), unwrapped_actor.disable_adapter() if ref_model is None else nullcontext():
+            with timer.phase("ref"), resident(unwrapped_actor), \
+                    unwrapped_actor.disable_adapter() if ref_model is None else nullcontext():
                 ref_logprobs = batched_completion_logprobs(unwrapped_actor if ref_model is None else ref_model,
-                                                           input_ids, attention_mask, C, args.temperature, mb)
-        with timer.phase("values"), torch.no_grad():
-            old_values = torch.cat([completion_values(unwrapped_critic, input_ids[i:i + mb], attention_mask[i:i + mb], C)
-                                    for i in range(0, local_size, mb)])  # [B, C]
+                                                           input_ids, attention_mask, plan, args.temperature, chunk)
+        with timer.phase("values"), torch.no_grad(), resident(unwrapped_critic):
+            old_values = torch.zeros_like(old_logprobs)  # [B, C]
+            for micro in plan:
+                old_values[micro.rows] = micro.pad(completion_values(unwrapped_critic, micro.window(input_ids),
+                                                                     micro.window(attention_mask), micro.c))
 
         # 3. scores: rule rewards and/or the reward model, weighted; penalty for no EOS
         with timer.phase("reward"):
@@ -391,24 +419,32 @@ def main(argv=None):
                 num_tokens = mini_tokens[epoch][m]
                 actor_loss_sum = torch.zeros((), device=home)
                 critic_loss_sum = torch.zeros((), device=home)
-                for start in range(0, mini_size, mb):
-                    rows = mini[start:start + mb]
-                    last = start + mb >= mini_size  # all-reduce gradients on the last micro-batch only
-                    m_mask = mask[rows]
+                micro_plan = plan_micro_batches(attention_mask, C, rows=mini, batch_size=mb, max_tokens=token_budget,
+                                                num_batches_at_least=most_micro_batches)
+                for i, micro in enumerate(micro_plan):
+                    last = i == len(micro_plan) - 1  # all-reduce gradients on the last micro-batch only
+                    m_mask = micro.completion(mask)  # [b, c]
                     with timer.phase("actor_update"), nullcontext() if last else accelerator.no_sync(actor):
-                        logprobs, entropy = completion_logprobs(actor, input_ids[rows], attention_mask[rows], C,
-                                                                args.temperature, with_entropy=True)
-                        loss, clipped, approx_kl = policy_loss(logprobs, old_logprobs[rows], advantages[rows],
-                                                               m_mask, args.cliprange, num_tokens)
+                        logprobs, entropy = completion_logprobs(actor, micro.window(input_ids),
+                                                                micro.window(attention_mask), micro.c,
+                                                                args.temperature, entropy=entropy_mode,
+                                                                chunk_size=chunk)
+                        loss, clipped, approx_kl = policy_loss(logprobs, micro.completion(old_logprobs),
+                                                               micro.completion(advantages), m_mask, args.cliprange,
+                                                               num_tokens)
+                        if args.entropy_coef > 0:  # entropy bonus over the mini-batch's tokens
+                            loss = loss - args.entropy_coef * masked_sum(entropy, m_mask) / num_tokens
                         accelerator.backward(loss * num_processes)  # DDP averages; the loss is a global share
                     with timer.phase("critic_update"), nullcontext() if last else accelerator.no_sync(critic):
-                        values = completion_values(critic, input_ids[rows], attention_mask[rows], C)
-                        v_loss, v_clipped = value_loss(values, old_values[rows], returns[rows], m_mask,
-                                                       args.cliprange_value, num_tokens)
+                        values = completion_values(critic, micro.window(input_ids), micro.window(attention_mask),
+                                                   micro.c)
+                        v_loss, v_clipped = value_loss(values, micro.completion(old_values),
+                                                       micro.completion(returns), m_mask, args.cliprange_value,
+                                                       num_tokens)
                         accelerator.backward(args.vf_coef * v_loss * num_processes)
                     actor_loss_sum += loss.detach()
                     critic_loss_sum += v_loss.detach()
-                    sums += torch.stack([clipped, approx_kl, (entropy * m_mask).sum(), v_clipped, m_mask.sum(),
+                    sums += torch.stack([clipped, approx_kl, (entropy.detach() * m_mask).sum(), v_clipped, m_mask.sum(),
                                          v_loss.detach() * num_tokens])
                 with timer.phase("actor_update"):
                     actor_norm, actor_ok = clip_and_step(accelerator, actor, actor_optimizer, actor_scheduler,
@@ -478,7 +514,8 @@ def main(argv=None):
     progress.close()
     checkpointer.save(args.max_steps, {"total_skipped": guard.total, "kl_coef": kl_coef})
     final_dir = os.path.join(args.output_dir, "final")
-    save_pretrained_atomic(accelerator, actor, tokenizer, final_dir)
+    if args.save_strategy != "no":
+        save_pretrained_atomic(accelerator, actor, tokenizer, final_dir)
     check_replicas_in_sync(accelerator, actor)
     if is_main and score_history:
         print(first_last_line(score_history, final_dir), flush=True)

@@ -4,7 +4,7 @@ import torch
 
 from utils import toy
 from utils.generation import build_generation_config, completion_ids_and_mask, generate_completions
-from utils.ops import (batched_completion_logprobs, completion_logprobs, entropy_from_logits, masked_mean,
+from utils.ops import (batched_completion_logprobs, completion_logprobs, plan_micro_batches, entropy_from_logits, masked_mean,
                        selective_log_softmax)
 
 
@@ -58,8 +58,8 @@ def test_logprobs_do_not_depend_on_left_padding(tiny):
         ids_i = torch.cat([alone, completion[i:i + 1]], 1)
         single, _ = completion_logprobs(model, ids_i, torch.ones_like(ids_i), 3)
         torch.testing.assert_close(batched[i], single[0], rtol=1e-4, atol=1e-5)
-    chunked = batched_completion_logprobs(model, ids, mask, 3, 1.0, batch_size=1)
-    torch.testing.assert_close(chunked, batched)
+    one_by_one = batched_completion_logprobs(model, ids, mask, plan_micro_batches(mask, 3, batch_size=1), 1.0)
+    torch.testing.assert_close(one_by_one, batched)
 
 
 def test_logprobs_equal_the_sampling_distribution(tiny):
@@ -75,7 +75,7 @@ def test_logprobs_equal_the_sampling_distribution(tiny):
     scores = torch.stack(out.scores, 1)  # [B, C, V], logits already divided by the temperature
     from_generate = torch.log_softmax(scores.float(), -1).gather(-1, completion[..., None]).squeeze(-1)
     mask = torch.cat([enc["attention_mask"], torch.ones_like(completion)], 1)
-    ours, entropy = completion_logprobs(model, out.sequences, mask, 6, temperature=temperature, with_entropy=True)
+    ours, entropy = completion_logprobs(model, out.sequences, mask, 6, temperature=temperature, entropy="metric")
     torch.testing.assert_close(ours, from_generate, rtol=1e-4, atol=1e-4)
     assert entropy.shape == ours.shape and (entropy > 0).all()
 

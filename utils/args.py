@@ -12,7 +12,8 @@ from utils.cli import UsageError
 class SharedArgs:
     # --- model
     model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Hub id or local folder of a causal LM (the policy); unset: the embedded tiny model and toy task."})
-    torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(default="float32", metadata={"help": "Dtype of the trained weights. float32 by default: with bf16 weights, AdamW updates at RL learning rates round to nothing. Frozen models (reference, reward) load in the mixed-precision dtype."})
+    tokenizer_name_or_path: Optional[str] = field(default=None, metadata={"help": "Hub id or local folder of the tokenizer; default: the model's."})
+    torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(default="float32", metadata={"help": "Dtype of the trained weights. bfloat16 halves weights and gradients; its optimizer steps then use stochastic rounding (torchao), since a plain bf16 AdamW rounds RL-sized updates away. Frozen models (reference, reward) load in the mixed-precision dtype."})
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(default="auto", metadata={"help": "Autocast dtype for forward passes; auto: bf16 on a GPU that supports it, else no. Overrides accelerate's config."})
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = field(default="sdpa", metadata={"help": "Attention kernel; flash_attention_2 needs the optional flash-attn package and a GPU."})
     use_gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward (non-reentrant) instead of storing them, in every trained model."})
@@ -20,6 +21,22 @@ class SharedArgs:
     system_prompt: Optional[str] = field(default=None, metadata={"help": "System message put before each prompt (chat template) or a line before it (raw)."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub (from_pretrained's trust_remote_code)."})
     disable_dropout: bool = field(default=True, metadata={"help": "Set dropout to 0 in trained models so old and new logprobs agree; --no_disable_dropout keeps it."})
+    # --- memory levers (README: "what each flag saves and what it costs")
+    activation_offload: bool = field(default=False, metadata={"help": "With --use_gradient_checkpointing: keep each checkpointed layer input in pinned CPU memory (copied asynchronously), brought back in backward. Same math."})
+    use_dynamic_bsz: bool = field(default=False, metadata={"help": "Form micro-batches by a token budget (--max_token_len_per_gpu, sequences grouped by length) instead of --per_device_train_batch_size, for the update and every no-grad pass. Same math."})
+    max_token_len_per_gpu: int = field(default=16384, metadata={"help": "Token budget of one micro-batch with --use_dynamic_bsz (rows x longest row, padding counted)."})
+    logprob_chunk_size: int = field(default=0, metadata={"help": "Compute logprobs and entropy through the LM head this many tokens at a time (recomputed in backward), so the full [B, T, vocab] logits never exist; 0: all at once. Same math."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus: subtract entropy_coef x the mean token entropy from the policy loss (entropy then needs gradients)."})
+    entropy_checkpointing: bool = field(default=False, metadata={"help": "With --entropy_coef > 0: recompute the entropy's softmax in backward instead of storing it (the chunked path always does). Same math."})
+    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit"] = field(default="adamw_torch", metadata={"help": "adamw_torch (fused on GPU); adamw_8bit / paged_adamw_8bit (bitsandbytes, 8-bit states: changes numerics slightly; paged pages states to CPU under pressure); adamw_4bit (torchao, 4-bit states: changes numerics more). bf16 weights: torchao's AdamW variants with stochastic rounding."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "bitsandbytes NF4 weights (double quantisation) for the frozen reference and reward models, and for the policy/critic with --use_lora (QLoRA). Changes numerics."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "As --load_in_4bit, with bitsandbytes int8 weights."})
+    ref_offload: bool = field(default=False, metadata={"help": "Shorthand for --ref_device offload: the reference's weights in CPU memory, streamed to the GPU layer by layer."})
+    reward_offload: bool = field(default=False, metadata={"help": "Shorthand for --reward_device offload."})
+    param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use; one process only. Same math."})
+    offload_policy: str = field(default="embedding,lm_head", metadata={"help": "Comma list for --param_offload: embedding (input embeddings), lm_head (output embeddings), or names of Linear/Embedding modules."})
+    generation_batch_size: Optional[int] = field(default=None, metadata={"help": "Generate rollouts this many prompts' completions at a time (smaller KV cache); default: all at once."})
+    empty_cache_between_phases: bool = field(default=False, metadata={"help": "Return cached GPU memory to the driver after each phase (generate, ref, update...), so one phase's KV cache and logits do not crowd the next. Costs allocator time."})
     # --- LoRA (PEFT): the reference is then the policy with its adapter disabled, no second copy
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights (actor, and the critic with its value head fully trained)."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -64,6 +81,7 @@ class SharedArgs:
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many steps."})
     report_to: Literal["none", "tensorboard", "wandb"] = field(default="none", metadata={"help": "Also send metrics to this tracker (metrics.jsonl is always written)."})
     run_name: str = field(default="lean-rl", metadata={"help": "Run name for the tracker."})
+    save_strategy: Literal["steps", "no"] = field(default="steps", metadata={"help": "steps: checkpoints every --save_steps, at the end and on SIGTERM, and the final model; no: write nothing (benchmarks)."})
     save_steps: int = field(default=100, metadata={"help": "Save a resumable checkpoint every this many steps; 0: only at the end and on SIGTERM/SIGINT."})
     save_total_limit: Optional[int] = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest removed first)."})
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "A checkpoint folder, or `latest` for the newest in --output_dir."})
@@ -84,7 +102,7 @@ def apply_presets(args, explicit, toy_preset, debug_preset):
         args.reward_funcs = "none" if args.reward_model_name_or_path else "accuracy"
 
 
-def check_shared_args(args):
+def check_shared_args(args, num_processes=1):
     """Range checks of the shared flags; raises UsageError naming the flag."""
     for name in ("prompts_per_step", "per_device_train_batch_size", "max_prompt_length", "max_completion_length",
                  "logging_steps", "max_skipped_steps"):
@@ -108,8 +126,51 @@ def check_shared_args(args):
         if args.ref_device is not None:
             raise UsageError(f"--ref_device {args.ref_device}: with --use_lora the reference is the policy with its "
                              "adapter disabled, so there is no copy to place")
+    check_memory_args(args, num_processes)
     if args.save_total_limit is not None and args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit must be at least 1 (got {args.save_total_limit})")
+
+
+def check_memory_args(args, num_processes=1):
+    """The memory levers' combinations; also turns the offload shorthands into placements."""
+    if args.activation_offload and not args.use_gradient_checkpointing:
+        raise UsageError("--activation_offload moves the inputs that gradient checkpointing keeps to the CPU; "
+                         "add --use_gradient_checkpointing")
+    if args.max_token_len_per_gpu < args.max_prompt_length + args.max_completion_length and args.use_dynamic_bsz:
+        raise UsageError(f"--max_token_len_per_gpu {args.max_token_len_per_gpu} is below the longest sequence "
+                         f"(--max_prompt_length {args.max_prompt_length} + --max_completion_length "
+                         f"{args.max_completion_length}); raise it to at least {args.max_prompt_length + args.max_completion_length}")
+    for name in ("logprob_chunk_size", "entropy_coef"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.generation_batch_size is not None and args.generation_batch_size < 1:
+        raise UsageError(f"--generation_batch_size must be at least 1 (got {args.generation_batch_size})")
+    if args.load_in_4bit and args.load_in_8bit:
+        raise UsageError("--load_in_4bit and --load_in_8bit: choose one")
+    if (args.load_in_4bit or args.load_in_8bit) and args.model_name_or_path is None:
+        raise UsageError(f"--load_in_{4 if args.load_in_4bit else 8}bit quantises weights loaded with from_pretrained; "
+                         "give --model_name_or_path (the embedded tiny model is built in code)")
+    for role in ("ref", "reward"):
+        if getattr(args, f"{role}_offload"):
+            current = getattr(args, f"{role}_device")
+            if current not in (None, "offload"):
+                raise UsageError(f"--{role}_offload and --{role}_device {current}: choose one")
+            if role == "ref" and args.use_lora:
+                raise UsageError("--ref_offload: with --use_lora the reference is the policy with its adapter "
+                                 "disabled, so there is no copy to offload")
+            setattr(args, f"{role}_device", "offload")
+    bits = 4 if args.load_in_4bit else 8
+    quantized_roles = ("ref", "reward") + (("actor", "critic") if args.use_lora else ())
+    for role in quantized_roles if (args.load_in_4bit or args.load_in_8bit) else ():
+        value = getattr(args, f"{role}_device", None)
+        if value in ("balanced", "auto", "offload"):
+            raise UsageError(f"--{role}_device {value} with --load_in_{bits}bit: a quantised model is loaded onto one "
+                             "device and stays there; use cuda:N or cpu")
+    if args.param_offload and num_processes > 1:
+        raise UsageError(f"--param_offload keeps trained weights on the CPU, which DDP cannot wrap; it needs one process "
+                         f"(got {num_processes})")
+    if args.param_offload and not [p for p in args.offload_policy.split(",") if p.strip()]:
+        raise UsageError("--param_offload needs --offload_policy (e.g. embedding,lm_head)")
 
 
 def divisors(n):

@@ -138,10 +138,12 @@ class StopSignal:
 
 class Checkpointer:
     """The run's saving policy: a fresh or resumed start, a checkpoint every `save_steps`, one on
-    SIGTERM/SIGINT (then the caller exits), and one at the end."""
+    SIGTERM/SIGINT (then the caller exits), and one at the end; nothing with enabled=False
+    (--save_strategy no)."""
 
-    def __init__(self, accelerator, output_dir, save_steps, save_total_limit):
+    def __init__(self, accelerator, output_dir, save_steps, save_total_limit, enabled=True):
         self.accelerator = accelerator
+        self.enabled = enabled
         self.output_dir = output_dir
         self.save_steps = save_steps
         self.save_total_limit = save_total_limit
@@ -164,6 +166,8 @@ class Checkpointer:
         return {}
 
     def save(self, step, trainer_state):
+        if not self.enabled:
+            return None
         return save_checkpoint(self.accelerator, self.output_dir, step, trainer_state, self.save_total_limit)
 
     def after_step(self, done, max_steps, trainer_state) -> int:
@@ -174,6 +178,6 @@ class Checkpointer:
         if signum:
             path = self.save(done, trainer_state)
             if self.accelerator.is_main_process:
-                print(f"\nreceived signal {signum}: saved {path}; resume with --resume_from_checkpoint latest",
-                      flush=True)
+                print(f"\nreceived signal {signum}: " + (f"saved {path}; resume with --resume_from_checkpoint latest"
+                                                        if path else "nothing saved (--save_strategy no)"), flush=True)
         return signum

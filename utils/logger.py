@@ -35,7 +35,9 @@ class MetricsLogger:
             accelerator.init_trackers(run_name, config=flat)
 
     def log(self, metrics, step):
-        clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        # torchao optimizers keep lr as a tensor: scalars of any kind become floats
+        clean = {k: (float(v) if isinstance(v, (int, float)) or getattr(v, "numel", lambda: 0)() == 1 else v)
+                 for k, v in metrics.items()}
         if self.accelerator.is_main_process:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")

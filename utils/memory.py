@@ -19,8 +19,9 @@ def host_peak_rss_gib() -> float:
 
 
 class PhaseTimer:
-    def __init__(self, device):
+    def __init__(self, device, empty_cache=False):
         self.device = torch.device(device)
+        self.empty_cache = empty_cache  # --empty_cache_between_phases
         self.cuda = self.device.type == "cuda"
         self.metrics = {}
         self.run_peak_bytes = 0  # peak allocated on self.device over the whole run (phases reset the counter)
@@ -39,6 +40,8 @@ class PhaseTimer:
         finally:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
+                if self.empty_cache:  # counted in the phase's time: it is what the flag costs
+                    torch.cuda.empty_cache()
             key = f"time/{name}"
             self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
             if self.cuda:

@@ -52,10 +52,12 @@ def check_same_vocabulary(path, flag, tokenizer, trust_remote_code=False):
                          "in --reward_model_name_or_path)")
 
 
-def load_tokenizer(model_name_or_path, trust_remote_code=False):
-    """The model's tokenizer (or the toy one), left-padding, with a pad token."""
+def load_tokenizer(model_name_or_path, trust_remote_code=False, tokenizer_name_or_path=None):
+    """The model's tokenizer (or --tokenizer_name_or_path, or the toy one), left-padding, with a
+    pad token."""
     from transformers import AutoTokenizer
 
+    model_name_or_path = tokenizer_name_or_path or model_name_or_path
     if model_name_or_path is None:
         from utils import toy
 
@@ -68,9 +70,44 @@ def load_tokenizer(model_name_or_path, trust_remote_code=False):
     return tokenizer
 
 
+def quantization_kwargs(quantization, compute_dtype, device, skip_modules=None) -> dict:
+    """from_pretrained arguments for --load_in_4bit (NF4, double quantisation, computing in
+    `compute_dtype`) or --load_in_8bit, loaded straight onto `device` (a bitsandbytes model
+    cannot be moved after loading); {} for no quantisation. Non-quantised weights (embeddings,
+    norms, heads) load in `compute_dtype`."""
+    if quantization is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    compute_dtype = torch.bfloat16 if compute_dtype in ("auto", None) else compute_dtype
+    if quantization == "4bit":
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                    bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=skip_modules)
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
+    device = torch.device(device)
+    return dict(quantization_config=config, dtype=compute_dtype,
+                device_map={"": device.index if device.type == "cuda" else "cpu"})
+
+
+def quantization_of(args, trained=False):
+    """'4bit' / '8bit' / None for a model: frozen ones always follow --load_in_*, trained ones
+    only with --use_lora (QLoRA)."""
+    if trained and not args.use_lora:
+        return None
+    return "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else None
+
+
+def is_quantized(model) -> bool:
+    inner = getattr(model, "model", model) if not hasattr(model, "is_loaded_in_4bit") else model
+    return bool(getattr(inner, "is_loaded_in_4bit", False) or getattr(inner, "is_loaded_in_8bit", False)
+                or getattr(inner, "is_quantized", False))
+
+
 def load_causal_lm(model_name_or_path, tokenizer, dtype, attn_implementation="sdpa", trust_remote_code=False,
-                   disable_dropout=True, seed=0):
-    """A causal LM from `from_pretrained` (hub id or local folder), or the toy model for None."""
+                   disable_dropout=True, seed=0, quantization=None, device=None):
+    """A causal LM from `from_pretrained` (hub id or local folder), or the toy model for None;
+    `quantization` ('4bit', '8bit') loads it quantised onto `device`."""
     from transformers import AutoModelForCausalLM
 
     if model_name_or_path is None:
@@ -79,9 +116,9 @@ def load_causal_lm(model_name_or_path, tokenizer, dtype, attn_implementation="sd
         model = toy.build_model(tokenizer, seed=seed, attn_implementation=attn_implementation)
         model = model.to(torch.float32 if dtype == "auto" else dtype)
     else:
+        kwargs = dict(dtype=dtype) | quantization_kwargs(quantization, dtype, device)
         model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=dtype, attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
+            model_name_or_path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, **kwargs
         )
     if disable_dropout:  # dropout would make the policy ratio noisy (old vs new logprobs)
         for module in model.modules():
@@ -118,7 +155,7 @@ class ValueModel(torch.nn.Module):
 
 
 def load_value_model(model_name_or_path, tokenizer, dtype, attn_implementation="sdpa", trust_remote_code=False,
-                     disable_dropout=True, seed=0, lora=None):
+                     disable_dropout=True, seed=0, lora=None, quantization=None, device=None):
     """The critic as a ValueModel: from a reward-model checkpoint, or from a causal LM (its
     weights plus a new scalar head); None: the toy actor's weights plus a head."""
     from transformers import AutoModelForSequenceClassification
@@ -132,9 +169,10 @@ def load_value_model(model_name_or_path, tokenizer, dtype, attn_implementation="
         model.config._attn_implementation = attn_implementation
         model = model.to(torch.float32 if dtype == "auto" else dtype)
     else:
+        kwargs = dict(dtype=dtype) | quantization_kwargs(quantization, dtype, device, skip_modules=["score"])
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_name_or_path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
+            model_name_or_path, num_labels=1, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code, **kwargs
         )
     if disable_dropout:
         for module in model.modules():

@@ -22,36 +22,131 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
-                        with_entropy=False):
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, entropy=None,
+                        chunk_size=0):
     """Logprobs of the last `num_completion_tokens` tokens of `input_ids` under `model`.
 
     input_ids, attention_mask: [B, P + C] (prompts left-padded, completions right-padded).
     Logits are divided by the sampling temperature, so the logprobs are those of the
-    distribution the completions were sampled from. Only the C + 1 last positions' logits are
-    computed (`logits_to_keep`). Returns logprobs [B, C] and, if asked, entropy [B, C] (no grad),
-    on the device `input_ids` came from, wherever the model is placed.
+    distribution the completions were sampled from. Only the C + 1 last positions go through
+    the LM head (`logits_to_keep`); with `chunk_size` > 0 they go `chunk_size` tokens at a time,
+    recomputed in backward, so the [B, C, vocab] logits never exist (--logprob_chunk_size).
+    entropy: None, "metric" (no gradient), "grad", or "checkpointed" (with gradient, its softmax
+    recomputed in backward). Returns logprobs [B, C] and entropy [B, C] (or None), on the device
+    `input_ids` came from, wherever the model is placed.
     """
     home = input_ids.device
     device = model_input_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() numbers them
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=num_completion_tokens + 1,
-        use_cache=False,
-    ).logits
-    logits = logits[:, -(num_completion_tokens + 1) : -1, :]  # position t predicts token t + 1
+    targets = input_ids[:, -num_completion_tokens:]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  logits_to_keep=num_completion_tokens + 1, use_cache=False)
+    if chunk_size:
+        head = output_head(model)
+        project = head_projection(head)
+
+        def head_forward(hidden):  # [B, C + 1, H] -> [B, C + 1, 2]: (logprob, entropy) per position
+            out = chunked_logprobs(project, hidden[:, :-1], targets, temperature, chunk_size, entropy)
+            return torch.nn.functional.pad(out, (0, 0, 0, 1))
+
+        with replaced_forward(head, head_forward):
+            out = model(**inputs).logits[:, :-1]
+        logprobs, ent = out[..., 0], (out[..., 1] if entropy else None)
+    else:
+        logits = model(**inputs).logits[:, :-1, :]  # position t predicts token t + 1
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = selective_log_softmax(logits, targets.to(logits.device))
+        ent = None
+        if entropy == "metric":
+            with torch.no_grad():
+                ent = entropy_from_logits(logits)
+        elif entropy == "grad":
+            ent = entropy_from_logits(logits)
+        elif entropy == "checkpointed":
+            ent = torch.utils.checkpoint.checkpoint(entropy_from_logits, logits, use_reentrant=False)
+    return logprobs.to(home), (ent.to(home) if ent is not None else None)
+
+
+def _chunk_logprobs(project, hidden, targets, temperature, entropy):
+    logits = project(hidden).float()  # [n, V]
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = selective_log_softmax(logits, input_ids[:, -num_completion_tokens:].to(logits.device))
-    if not with_entropy:
-        return logprobs.to(home), None
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits)
-    return logprobs.to(home), entropy.to(home)
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if entropy is None:
+        return logprobs, torch.zeros_like(logprobs)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy != "metric"):
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, ent
+
+
+def chunked_logprobs(project, hidden, targets, temperature, chunk_size, entropy=None):
+    """hidden [B, C, H] -> [B, C, 2] (logprob of `targets` [B, C], entropy or 0), through the
+    LM head `project` chunk_size tokens at a time; with gradients each chunk's logits are
+    recomputed in backward instead of stored."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, C, H = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(B * C, H), targets.reshape(B * C).to(hidden.device)
+    parts = []
+    for start in range(0, B * C, chunk_size):
+        h, t = flat_hidden[start:start + chunk_size], flat_targets[start:start + chunk_size]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(torch.stack(checkpoint(_chunk_logprobs, project, h, t, temperature, entropy,
+                                                use_reentrant=False), -1))
+        else:
+            parts.append(torch.stack(_chunk_logprobs(project, h, t, temperature, entropy), -1))
+    return torch.cat(parts).view(B, C, 2)
+
+
+def output_head(model):
+    """The LM head (output embeddings) under DDP and PEFT wrappers; refuses heads whose logits
+    are transformed after the projection (the chunked path would skip that)."""
+    from utils.cli import UsageError
+
+    inner = getattr(model, "module", model)
+    config = getattr(inner, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise UsageError(f"--logprob_chunk_size: this model transforms its logits after the LM head ({name}); "
+                             "use --logprob_chunk_size 0")
+    head = inner.get_output_embeddings()
+    if head is None:
+        raise UsageError("--logprob_chunk_size: the model has no output embeddings (get_output_embeddings)")
+    return head
+
+
+def head_projection(head):
+    """hidden -> logits of the LM head. A plain Linear is applied with its weight fetched once
+    (from the CPU under --param_offload); anything else through its forward: a LoRA-wrapped head,
+    or one with accelerate hooks (an offloaded reference: its weight is on `meta` until the hook
+    loads it)."""
+    is_plain = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+    hooked = "forward" in head.__dict__ and not hasattr(head, "lean_rl_fetch")
+    if not is_plain or hooked:
+        return head.forward
+    fetch = getattr(head, "lean_rl_fetch", lambda p: p)
+    weight, bias = fetch(head.weight), fetch(head.bias)
+    return lambda hidden: torch.nn.functional.linear(hidden, weight, bias)
+
+
+class replaced_forward:
+    """Context: `module.forward` is `fn` inside, restored (an instance override included) after."""
+
+    def __init__(self, module, fn):
+        self.module, self.fn = module, fn
+
+    def __enter__(self):
+        self.saved = self.module.__dict__.get("forward")
+        self.module.forward = self.fn
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.module.forward = self.saved
+        else:
+            del self.module.forward
 
 
 def completion_values(value_model, input_ids, attention_mask, num_completion_tokens):
@@ -68,15 +163,86 @@ def completion_values(value_model, input_ids, attention_mask, num_completion_tok
     return values[:, -(num_completion_tokens + 1) : -1].float().to(home)
 
 
+class MicroBatch:
+    """Rows of the step's batch for one forward pass, and the column window that holds their
+    tokens (left prompt padding and right completion padding that no row needs are cut)."""
+
+    def __init__(self, rows, start, stop, num_completion_tokens, total_completion_tokens):
+        self.rows, self.start, self.stop = rows, start, stop
+        self.c, self.C = num_completion_tokens, total_completion_tokens
+
+    def window(self, tensor):
+        """[B, P + C] (input_ids, attention_mask) -> [b, window] of this micro-batch's rows."""
+        return tensor[self.rows, self.start:self.stop]
+
+    def take(self, tensor):
+        """[B, ...] per-row tensors (advantages [B]) -> this micro-batch's rows."""
+        return tensor[self.rows]
+
+    def completion(self, tensor):
+        """[B, C] per-completion-token tensors (masks, old logprobs) -> [b, c]."""
+        return tensor[self.rows, :self.c]
+
+    def pad(self, values):
+        """[b, c] per-completion-token values -> [b, C] (zeros where every row is padding)."""
+        return torch.nn.functional.pad(values, (0, self.C - self.c))
+
+
+def plan_micro_batches(attention_mask, num_completion_tokens, rows=None, batch_size=None, max_tokens=None,
+                       num_batches_at_least=None):
+    """Split `rows` (default: all rows of attention_mask [B, P + C]) into micro-batches.
+
+    Fixed (batch_size): consecutive groups of batch_size rows. Token budget (max_tokens,
+    --use_dynamic_bsz): rows sorted by length, packed greedily so that rows x (longest prompt +
+    longest completion) <= max_tokens; `num_batches_at_least(n) -> int` lets all processes agree
+    on one count (the largest), reached by splitting the biggest micro-batches. Either way the
+    losses are summed with global normalisers, so the plan does not change the math.
+    Reads the lengths once (one host sync)."""
+    C = num_completion_tokens
+    P = attention_mask.shape[1] - C
+    device = attention_mask.device
+    if rows is None:
+        rows = torch.arange(attention_mask.shape[0], device=device)
+    lengths = torch.stack([attention_mask[rows, :P].sum(1), attention_mask[rows, P:].sum(1)], 1).tolist()
+    order = list(range(len(rows)))
+    if max_tokens is None:
+        groups = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    else:
+        order.sort(key=lambda i: -(lengths[i][0] + lengths[i][1]))
+        groups, current = [], []
+        for i in order:
+            candidate = current + [i]
+            cost = len(candidate) * (max(lengths[j][0] for j in candidate) + max(lengths[j][1] for j in candidate))
+            if current and cost > max_tokens:
+                groups.append(current)
+                candidate = [i]
+            current = candidate
+        groups.append(current)
+        target = num_batches_at_least(len(groups)) if num_batches_at_least else len(groups)
+        while len(groups) < target:  # split the largest splittable group
+            big = max((g for g in groups if len(g) > 1), key=len)
+            groups.remove(big)
+            groups += [big[:len(big) // 2], big[len(big) // 2:]]
+    plan = []
+    for group in groups:
+        prompt_len = max(max(lengths[i][0] for i in group), 1)
+        completion_len = max(max(lengths[i][1] for i in group), 1)
+        plan.append(MicroBatch(rows[torch.tensor(group, device=device)], P - prompt_len, P + completion_len,
+                               completion_len, C))
+    return plan
+
+
 @torch.no_grad()
-def batched_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature, batch_size):
-    """completion_logprobs without gradients, `batch_size` rows at a time -> [B, C]."""
-    chunks = []
-    for start in range(0, input_ids.shape[0], batch_size):
-        rows = slice(start, start + batch_size)
-        chunks.append(completion_logprobs(model, input_ids[rows], attention_mask[rows], num_completion_tokens,
-                                          temperature)[0])
-    return torch.cat(chunks)
+def batched_completion_logprobs(model, input_ids, attention_mask, plan, temperature, chunk_size=0):
+    """completion_logprobs without gradients over the micro-batches of `plan` -> [B, C]
+    (zeros in the columns past a micro-batch's longest completion)."""
+    B, C = input_ids.shape[0], plan[0].C
+    out = torch.zeros(B, C, device=input_ids.device)
+    for mb in plan:
+        logprobs, _ = completion_logprobs(model, mb.window(input_ids), mb.window(attention_mask), mb.c, temperature,
+                                          chunk_size=chunk_size)
+        out[mb.rows] = mb.pad(logprobs)
+    return out
 
 
 def masked_sum(values, mask, dim=None):

@@ -5,16 +5,64 @@ import torch
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
-def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8):
-    """AdamW over the trainable parameters (fused kernel on CUDA). No weight decay on biases
-    and norm weights (1-D tensors), as in most LLM fine-tuning recipes."""
+OPTIMIZERS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
+
+
+def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch", betas=(0.9, 0.999), eps=1e-8):
+    """AdamW over the trainable parameters, with the state precision of --optim. No weight decay
+    on biases and norm weights (1-D tensors), as in most LLM fine-tuning recipes.
+
+    adamw_torch: torch's AdamW (fused kernel when every parameter is on a GPU); adamw_8bit /
+    paged_adamw_8bit: bitsandbytes, 8-bit block-quantised moments; adamw_4bit: torchao, 4-bit.
+    bf16 weights: an AdamW update of lr 1e-6 on a weight of 0.02 is below bf16's resolution and a
+    plain bf16 step rounds it away, so bf16 parameters step through torchao's AdamW variants
+    with stochastic rounding (unbiased: the expected weight moves as an fp32 one would)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=on_cuda or None)
+    groups = [g for g in groups if g["params"]]
+    params = decay + no_decay
+    kwargs = dict(lr=learning_rate, betas=betas, eps=eps)
+    if any(p.dtype == torch.bfloat16 for p in params):
+        if optim == "paged_adamw_8bit":
+            from utils.cli import UsageError
+
+            raise UsageError("--optim paged_adamw_8bit with bf16 weights: bitsandbytes has no stochastic rounding, so "
+                             "updates below bf16's resolution would be lost; use --optim adamw_8bit (torchao, "
+                             "stochastic rounding) or --torch_dtype float32")
+        import torchao.optim
+
+        cls = {"adamw_torch": torchao.optim._AdamW, "adamw_8bit": torchao.optim.AdamW8bit,
+               "adamw_4bit": torchao.optim.AdamW4bit}[optim]
+        return cls(groups, **kwargs, bf16_stochastic_round=True)
+    if optim == "adamw_torch":
+        on_cuda = all(p.is_cuda for p in params)
+        return torch.optim.AdamW(groups, **kwargs, fused=on_cuda or None)
+    if optim in ("adamw_8bit", "paged_adamw_8bit"):
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return cls(groups, **kwargs)
+    if optim == "adamw_4bit":
+        import torchao.optim
+
+        return torchao.optim.AdamW4bit(groups, **kwargs)
+    raise ValueError(f"unknown optimizer {optim}; expected one of {OPTIMIZERS}")
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (moments, quantisation scales)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if hasattr(value, "__tensor_flatten__"):  # torchao's quantised subclasses: their real buffers
+                names, _ = value.__tensor_flatten__()
+                total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in names)
+            elif isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
 
 
 def build_scheduler(optimizer, name, num_training_steps, warmup_steps):

@@ -145,7 +145,8 @@ def place_model(model, placement: Placement):
     placement.num_params = sum(p.numel() for p in model.parameters())
     placement.num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if placement.kind == "device":
-        model.to(placement.device)
+        if not (getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)):
+            model.to(placement.device)  # a bitsandbytes model was loaded onto its device and cannot move
     elif placement.kind == "balanced":
         no_split = getattr(model, "_no_split_modules", None) or []
         max_memory = {g: torch.cuda.mem_get_info(g)[0] for g in placement.gpus}
@@ -166,8 +167,9 @@ def place_model(model, placement: Placement):
 
 def prepare_trained(accelerator, model, optimizer, placement: Placement):
     """accelerate's prepare for a trained role: the usual path (DDP, engines) on the process's
-    device; a single-process custom placement keeps its devices."""
-    if placement.kind == "device" and placement.device == normalize_device(accelerator.device):
+    device; a single-process custom placement (or --param_offload) keeps its devices."""
+    offloaded = getattr(model, "lean_rl_param_offload", None) is not None
+    if placement.kind == "device" and placement.device == normalize_device(accelerator.device) and not offloaded:
         return accelerator.prepare(model, optimizer)
     model = accelerator.prepare_model(model, device_placement=False)
     return model, accelerator.prepare_optimizer(optimizer, device_placement=False)
@@ -179,6 +181,9 @@ def model_input_device(model) -> torch.device:
     placement = getattr(model, "lean_rl_placement", None)
     if placement is not None:
         return placement.device
+    offload = getattr(model, "lean_rl_param_offload", None)  # its first parameter is on the CPU
+    if offload is not None:
+        return offload.device
     return next(model.parameters()).device
 
 

@@ -187,13 +187,16 @@ class RewardModel:
 
     name = "reward_model"
 
-    def __init__(self, path, placement, dtype, fallback_tokenizer=None, batch_size=16, trust_remote_code=False):
+    def __init__(self, path, placement, dtype, fallback_tokenizer=None, batch_size=16, trust_remote_code=False,
+                 quantization=None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from utils.modeling import quantization_kwargs
         from utils.placement import place_model
 
+        kwargs = dict(dtype=dtype) | quantization_kwargs(quantization, dtype, placement.device, skip_modules=["score"])
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+            path, num_labels=1, trust_remote_code=trust_remote_code, **kwargs
         )
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -1,0 +1,391 @@
+"""The memory levers: each one that must not change the math is checked against the plain
+computation (values and gradients), the ones that do change it against their documented
+behaviour, and their flag combinations against clear errors."""
+import copy
+
+import pytest
+import torch
+
+import train_grpo
+from helpers import metrics_of
+from utils import toy
+from utils.cli import UsageError
+from utils.offload import ParamOffload, enable_activation_offload, resolve_offload_modules
+from utils.ops import (batched_completion_logprobs, chunked_logprobs, completion_logprobs, entropy_from_logits,
+                       plan_micro_batches)
+from utils.optim import build_optimizer
+
+
+def _model(seed=3, hidden_size=64, num_layers=2):
+    tokenizer = toy.build_tokenizer()
+    return tokenizer, toy.build_model(tokenizer, seed=seed, hidden_size=hidden_size, num_layers=num_layers)
+
+
+def _batch(vocab, B=6, P=5, C=7, seed=0):
+    """Left-padded prompts and right-padded completions of different lengths: [B, P + C]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, P + C), generator=g)
+    prompt_lens = torch.randint(1, P + 1, (B,), generator=g)
+    completion_lens = torch.randint(1, C + 1, (B,), generator=g)
+    cols = torch.arange(P + C)
+    mask = ((cols[None] >= P - prompt_lens[:, None]) & (cols[None] < P + completion_lens[:, None])).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ---- chunked LM head ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entropy", ["metric", "grad"])
+def test_chunked_logprobs_equal_full_logits_with_gradients(entropy):
+    _, model = _model()
+    ids, mask = _batch(model.config.vocab_size)
+    results = []
+    for chunk in (0, 5):
+        model.zero_grad()
+        logprobs, ent = completion_logprobs(model, ids, mask, 7, temperature=0.7, entropy=entropy, chunk_size=chunk)
+        loss = (logprobs * mask[:, 5:]).sum() + (0.3 * ent * mask[:, 5:]).sum()
+        loss.backward()
+        results.append((logprobs.detach(), ent.detach(), _grads(model)))
+    (lp0, e0, g0), (lp1, e1, g1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(e1, e0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and len(g0) > 0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert model.lm_head.__dict__.get("forward") is None  # the head's forward was restored
+
+
+def test_chunked_logprobs_against_a_direct_computation():
+    """Independent reference: log_softmax over the full logits, gathered, and -sum p log p."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(3, 4, 8, generator=g), torch.randn(11, 8, generator=g)
+    targets = torch.randint(0, 11, (3, 4), generator=g)
+    out = chunked_logprobs(lambda h: h @ weight.T, hidden, targets, 2.0, 5, "metric")
+    logp = torch.log_softmax(hidden @ weight.T / 2.0, -1)
+    torch.testing.assert_close(out[..., 0], logp.gather(-1, targets[..., None]).squeeze(-1))
+    torch.testing.assert_close(out[..., 1], -(logp.exp() * logp).sum(-1))
+
+
+def test_checkpointed_entropy_has_the_same_gradient():
+    logits = torch.randn(4, 6, 13, requires_grad=True)
+    grads = []
+    for fn in (entropy_from_logits,
+               lambda z: torch.utils.checkpoint.checkpoint(entropy_from_logits, z, use_reentrant=False)):
+        logits.grad = None
+        fn(logits).sum().backward()
+        grads.append(logits.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_chunked_head_refuses_models_that_transform_logits():
+    _, model = _model()
+    model.config.final_logit_softcapping = 30.0
+    ids, mask = _batch(model.config.vocab_size)
+    with pytest.raises(UsageError, match="logprob_chunk_size"):
+        completion_logprobs(model, ids, mask, 7, chunk_size=4)
+
+
+# ---- micro-batch plans ---------------------------------------------------------------------------
+
+
+def test_fixed_plan_and_windows_keep_every_real_token():
+    ids, mask = _batch(50, B=7)
+    plan = plan_micro_batches(mask, 7, batch_size=3)
+    assert [len(m.rows) for m in plan] == [3, 3, 1]
+    assert sorted(torch.cat([m.rows for m in plan]).tolist()) == list(range(7))
+    for m in plan:  # the columns cut away hold only padding for these rows
+        kept = torch.zeros(12, dtype=torch.bool)
+        kept[m.start:m.stop] = True
+        assert mask[m.rows][:, ~kept].sum() == 0
+        assert m.c == m.stop - 5
+
+
+def test_token_budget_plan_respects_budget_and_agreed_count():
+    ids, mask = _batch(50, B=16, P=10, C=20, seed=4)
+    budget = 60
+    plan = plan_micro_batches(mask, 20, max_tokens=budget)
+    assert sorted(torch.cat([m.rows for m in plan]).tolist()) == list(range(16))
+    for m in plan:
+        assert len(m.rows) * (m.stop - m.start) <= budget or len(m.rows) == 1
+    more = plan_micro_batches(mask, 20, max_tokens=budget, num_batches_at_least=lambda n: n + 3)
+    assert len(more) == len(plan) + 3  # another process needed more: the biggest ones are split
+    assert sorted(torch.cat([m.rows for m in more]).tolist()) == list(range(16))
+    subset = torch.tensor([9, 2, 14, 5])  # PPO mini-batches plan over a subset of rows
+    assert sorted(torch.cat([m.rows for m in plan_micro_batches(mask, 20, rows=subset, max_tokens=budget)]).tolist()) \
+        == sorted(subset.tolist())
+
+
+def test_grpo_loss_and_gradient_do_not_depend_on_the_micro_batch_plan():
+    """Reference: the whole batch in one forward, the loss taken at once over [B, C]. Then the
+    same step through fixed micro-batches of 2 and through a token budget: equal loss and
+    gradients (the loss normalisers are global)."""
+    _, model = _model(seed=5)
+    B, P, C = 8, 5, 7
+    ids, mask = _batch(model.config.vocab_size, B=B, P=P, C=C, seed=2)
+    loss_mask = mask[:, P:].float()
+    advantages = torch.randn(B, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        old = completion_logprobs(model, ids, mask, C)[0] + 0.05 * torch.randn(B, C)
+        ref = completion_logprobs(model, ids, mask, C)[0] - 0.05
+    num_tokens = loss_mask.sum().item()
+
+    def step(plan):
+        model.zero_grad()
+        total = 0.0
+        for micro in plan:
+            logprobs, _ = completion_logprobs(model, micro.window(ids), micro.window(mask), micro.c)
+            per_token, _, _ = train_grpo.per_token_policy_loss(logprobs, micro.completion(old), micro.take(advantages),
+                                                                0.2, 0.2, micro.completion(ref), 0.04)
+            loss = train_grpo.aggregate_loss(per_token, micro.completion(loss_mask), "grpo", B, num_tokens, C)
+            loss.backward()
+            total += loss.item()
+        return total, _grads(model)
+
+    model.zero_grad()
+    logprobs, _ = completion_logprobs(model, ids, mask, C)
+    per_token, _, _ = train_grpo.per_token_policy_loss(logprobs, old, advantages, 0.2, 0.2, ref, 0.04)
+    want = ((per_token * loss_mask).sum(1) / loss_mask.sum(1)).mean()  # the paper's per-sequence mean
+    want.backward()
+    want_grads = _grads(model)
+    for plan in (plan_micro_batches(mask, C, batch_size=2), plan_micro_batches(mask, C, max_tokens=40)):
+        total, grads = step(plan)
+        assert abs(total - want.item()) < 1e-6
+        for name in want_grads:
+            torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_no_grad_passes_over_a_plan_equal_one_pass():
+    _, model = _model()
+    ids, mask = _batch(model.config.vocab_size)
+    plan = plan_micro_batches(mask, 7, max_tokens=30)
+    full = batched_completion_logprobs(model, ids, mask, plan, 1.0)
+    want, _ = completion_logprobs(model, ids, mask, 7)
+    real = mask[:, 5:].bool()
+    torch.testing.assert_close(full[real], want.detach()[real], rtol=1e-5, atol=1e-6)
+    for m in plan:  # columns no row of the micro-batch reaches are zeros
+        assert (full[m.rows, m.c:] == 0).all()
+
+
+# ---- activation and parameter offload ------------------------------------------------------------
+
+
+def test_activation_offload_gives_the_checkpointed_gradients():
+    _, base = _model(seed=7, num_layers=3)
+    ids, mask = _batch(base.config.vocab_size)
+    grads = []
+    for mode in ("plain", "checkpointing", "offload"):
+        model = copy.deepcopy(base).train()
+        if mode != "plain":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mode == "offload":
+            assert enable_activation_offload(model) >= 3
+        logprobs, _ = completion_logprobs(model, ids, mask, 7)
+        (logprobs * mask[:, 5:]).sum().backward()
+        grads.append(_grads(model))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grads[2][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def test_activation_offload_needs_checkpointed_layers():
+    _, model = _model()
+    with pytest.raises(RuntimeError, match="no checkpointed layers"):
+        enable_activation_offload(model)
+
+
+def test_param_offload_resolves_names_and_keeps_the_math():
+    _, base = _model(seed=8)
+    ids, mask = _batch(base.config.vocab_size)
+    model = copy.deepcopy(base)
+    offload = ParamOffload(model, "embedding,lm_head,layers.0.mlp.down_proj", "cpu")
+    names = [n for n, _ in offload.modules]
+    assert names == ["embedding", "lm_head", "layers.0.mlp.down_proj"]
+    outs = []
+    for m in (base, model):
+        m.zero_grad()
+        logprobs, _ = completion_logprobs(m, ids, mask, 7, chunk_size=4)
+        logprobs.sum().backward()
+        outs.append((logprobs.detach(), _grads(m)))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    for name in outs[0][1]:
+        torch.testing.assert_close(outs[1][1][name], outs[0][1][name])
+    with pytest.raises(UsageError, match="no such module"):
+        resolve_offload_modules(base, "embedding,nonexistent")
+    with pytest.raises(UsageError, match="only plain Linear and Embedding"):
+        resolve_offload_modules(base, "layers.0.mlp")
+
+
+# ---- optimizers ----------------------------------------------------------------------------------
+
+
+def _small_updates(weight, optimizer, steps):
+    """`steps` AdamW steps with a constant-sign gradient: each moves the weight by ~lr."""
+    start = weight.detach().float().clone()
+    for _ in range(steps):
+        weight.grad = torch.ones_like(weight)
+        optimizer.step()
+        optimizer.zero_grad()
+    return (start - weight.detach().float()).mean().item()
+
+
+def test_bf16_weights_learn_with_stochastic_rounding_as_fp32_does():
+    """A weight of 0.02 moved by lr 1e-5 per step is below bf16's resolution (2^-14 ~ 6e-5 there):
+    plain bf16 AdamW loses every update, the optimizer build_optimizer picks for bf16 weights
+    moves the weight as fp32 arithmetic does (on average)."""
+    lr, steps = 1e-5, 100
+    moved = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16_plain", torch.bfloat16), ("bf16", torch.bfloat16)):
+        layer = torch.nn.Linear(64, 64, bias=False)
+        torch.nn.init.constant_(layer.weight, 0.02)
+        layer.to(dtype)
+        opt = (torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=0.0) if name == "bf16_plain"
+               else build_optimizer(layer, lr, 0.0, "adamw_torch"))
+        moved[name] = _small_updates(layer.weight, opt, steps)
+    assert moved["fp32"] == pytest.approx(lr * steps, rel=0.02)
+    assert moved["bf16_plain"] < 0.1 * lr * steps  # the problem the flag exists for
+    assert moved["bf16"] == pytest.approx(moved["fp32"], rel=0.15)
+
+
+def test_optimizer_choices():
+    import bitsandbytes as bnb
+
+    layer = torch.nn.Linear(128, 64)
+    opt = build_optimizer(layer, 1e-3, 0.1, "adamw_8bit")
+    assert isinstance(opt, bnb.optim.AdamW8bit)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # no decay on the bias
+    x, y = torch.randn(32, 128), torch.randn(32, 64)
+    losses = []
+    for _ in range(20):
+        loss = ((layer(x) - y) ** 2).mean()
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < losses[0]
+    with pytest.raises(UsageError, match="paged_adamw_8bit with bf16"):
+        build_optimizer(torch.nn.Linear(4, 4).to(torch.bfloat16), 1e-3, 0.0, "paged_adamw_8bit")
+
+
+# ---- flags -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--activation_offload"], "add --use_gradient_checkpointing"),
+    (["--use_dynamic_bsz", "--max_token_len_per_gpu", "10"], "max_token_len_per_gpu 10 is below"),
+    (["--load_in_4bit"], "give --model_name_or_path"),
+    (["--model_name_or_path", "x", "--load_in_4bit", "--load_in_8bit"], "choose one"),
+    (["--ref_offload", "--ref_device", "cpu"], "--ref_offload and --ref_device cpu"),
+    (["--ref_offload", "--use_lora"], "no copy to offload"),
+    (["--model_name_or_path", "x", "--load_in_4bit", "--reward_device", "offload"], "quantised model"),
+    (["--logprob_chunk_size", "-1"], "logprob_chunk_size must be >= 0"),
+    (["--param_offload", "--offload_policy", " ,"], "needs --offload_policy"),
+])
+def test_memory_flag_errors(argv, match):
+    from utils.args import apply_presets
+    from utils.cli import parse_args
+
+    args, explicit = parse_args(train_grpo.Args, argv)
+    apply_presets(args, explicit, train_grpo.TOY_PRESET, train_grpo.DEBUG_PRESET)
+    with pytest.raises(UsageError, match=match):
+        train_grpo.check_args(args, 1, explicit)
+
+
+def test_param_offload_is_one_process_only():
+    from utils.cli import parse_args
+
+    args, explicit = parse_args(train_grpo.Args, ["--param_offload", "--prompts_per_step", "4"])
+    with pytest.raises(UsageError, match="needs one process"):
+        train_grpo.check_args(args, 2, explicit)
+
+
+def test_offload_shorthand_becomes_a_placement():
+    from utils.cli import parse_args
+
+    args, explicit = parse_args(train_grpo.Args, ["--ref_offload", "--reward_offload"])
+    train_grpo.check_args(args, 1, explicit)
+    assert (args.ref_device, args.reward_device) == ("offload", "offload")
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+SAME_MATH = ["--use_gradient_checkpointing", "--activation_offload", "--logprob_chunk_size", "7",
+             "--use_dynamic_bsz", "--max_token_len_per_gpu", "100", "--param_offload", "--empty_cache_between_phases"]
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_levers_that_keep_the_math_give_the_baseline_first_step(run, tmp_path, script):
+    """The issue's equivalence check: checkpointing, activation offload, chunking, dynamic
+    batching and parameter offload all on -> the first step's loss and gradient norm equal the
+    baseline's."""
+    common = ["--max_steps", "1", "--save_strategy", "no", "--prompts_per_step", "16"]
+    for extra, out in (([], "base"), (SAME_MATH, "levers")):
+        result = run(common + extra + ["--output_dir", str(tmp_path / out)], script=script)
+        assert result.returncode == 0, result.stderr[-3000:]
+    base, levers = metrics_of(tmp_path / "base")[0], metrics_of(tmp_path / "levers")[0]
+    assert base["optim/grad_norm"] > 0
+    for key in ("loss/policy", "optim/grad_norm", "policy/entropy", "reward/mean"):
+        assert levers[key] == pytest.approx(base[key], rel=1e-4, abs=1e-7), key
+    assert not (tmp_path / "levers" / "final").exists()  # --save_strategy no
+
+
+@pytest.fixture
+def biased_local_model(tmp_path):
+    """A tiny local model whose attention projections have biases (as Qwen2's do): the case
+    where bitsandbytes' CPU 4-bit inference path breaks a later training forward."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = toy.build_tokenizer()
+    config = toy.build_model(tokenizer).config
+    config.attention_bias = True
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    return str(tmp_path / "model"), str(tmp_path / "tokenizer")
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_qlora_trains_on_cpu(run, tmp_path, biased_local_model, script):
+    model, tokenizer = biased_local_model
+    result = run(["--model_name_or_path", model, "--tokenizer_name_or_path", tokenizer, "--use_lora", "--load_in_4bit",
+         "--use_gradient_checkpointing", "--max_steps", "2", "--prompts_per_step", "8", "--max_completion_length",
+         "8", "--output_dir", str(tmp_path / "out"), "--save_strategy", "no", "--learning_rate", "1e-3"]
+        + (["--num_generations", "4"] if script == "train_grpo.py" else []), script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(tmp_path / "out")
+    assert len(rows) == 2 and all(r["optim/grad_norm"] > 0 for r in rows)
+
+
+def test_checkpointing_is_active_for_pretrained_models(tmp_path, biased_local_model, monkeypatch):
+    """from_pretrained returns a model in eval mode, where transformers skips checkpointing: the
+    script must put the policy in train mode. Counted through the offloaded checkpoint."""
+    import utils.offload
+
+    calls = []
+    original = utils.offload.offloaded_checkpoint
+    monkeypatch.setattr(utils.offload, "offloaded_checkpoint", lambda *a: calls.append(1) or original(*a))
+    model, tokenizer = biased_local_model
+    train_grpo.main(["--model_name_or_path", model, "--tokenizer_name_or_path", tokenizer, "--max_steps", "1",
+                     "--prompts_per_step", "2", "--num_generations", "2", "--max_completion_length", "4",
+                     "--use_gradient_checkpointing", "--activation_offload", "--save_strategy", "no",
+                     "--output_dir", str(tmp_path / "out")])
+    assert len(calls) >= 2  # each decoder layer, each micro-batch
+
+
+def test_chunked_logprobs_through_an_offloaded_model():
+    """An offloaded reference (accelerate cpu_offload) keeps its weights on `meta` until its hooks
+    load them: the chunked head must go through the hooked forward, not read the weight."""
+    from utils.placement import Placement, place_model
+
+    _, model = _model(seed=9)
+    ids, mask = _batch(model.config.vocab_size)
+    want, _ = completion_logprobs(model, ids, mask, 7)
+    offloaded = place_model(copy.deepcopy(model), Placement("ref", "offload", torch.device("cpu")))
+    assert offloaded.lm_head.weight.device.type == "meta"
+    got = batched_completion_logprobs(offloaded, ids, mask, plan_micro_batches(mask, 7, batch_size=4), 1.0,
+                                      chunk_size=5)
+    real = mask[:, 5:].bool()
+    torch.testing.assert_close(got[real], want.detach()[real], rtol=1e-5, atol=1e-6)

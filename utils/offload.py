@@ -1,0 +1,255 @@
+"""Moving training memory to the CPU without changing the math.
+
+- Activation offload (--activation_offload): with gradient checkpointing each decoder layer
+  keeps only its input for the backward recompute. Here that input is copied into pinned CPU
+  memory on a side stream during forward, and in backward it is copied back, the previous
+  layer's input prefetched while this layer recomputes. Installed as the checkpoint function of
+  transformers' checkpointed layers, so it works for any model that supports checkpointing.
+- Parameter offload (--param_offload, --offload_policy): the named Linear/Embedding modules'
+  weights live in pinned CPU memory; each use copies them to the GPU (a differentiable copy, so
+  their gradients, and the optimizer state built on them, stay on the CPU too). No-grad phases
+  (generation, reference) can keep one GPU copy for the phase (`ParamOffload.resident`).
+"""
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# Activation offload
+
+_copy_streams = {}
+_last_saved = None  # weakref to the layer input saved last (the next one links to it for prefetch)
+
+
+def _copy_stream(device):
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return _copy_streams[device]
+
+
+class _SavedInput:
+    """One layer input, offloaded to pinned host memory; `prefetch` starts the copy back."""
+
+    def __init__(self, tensor):
+        self.device = tensor.device
+        self.prev = None
+        self.gpu = None
+        self.ready = None
+        if tensor.device.type != "cuda":  # nothing to offload to
+            self.host, self.offloaded = tensor, None
+            return
+        stream = _copy_stream(tensor.device)
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is computed
+        with torch.cuda.stream(stream):
+            self.host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # the allocator keeps it until the copy is done
+        self.offloaded = torch.cuda.Event()
+        self.offloaded.record(stream)
+
+    def prefetch(self):
+        if self.offloaded is None or self.gpu is not None or self.host is None:
+            return
+        stream = _copy_stream(self.device)
+        stream.wait_event(self.offloaded)
+        with torch.cuda.stream(stream):
+            self.gpu = self.host.to(self.device, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record(stream)
+
+    def get(self):
+        if self.offloaded is None:
+            tensor, self.host = self.host, None
+            return tensor
+        self.prefetch()
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(self.ready)
+        tensor, self.gpu, self.host = self.gpu, None, None
+        tensor.record_stream(current)
+        return tensor
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """Reentrant-style checkpoint of `run(hidden)` whose saved input lives on the CPU.
+    `anchor` is an empty tensor that requires grad, so the output does even when `hidden`
+    does not (frozen embeddings under LoRA); parameter gradients accumulate in backward."""
+
+    @staticmethod
+    def forward(ctx, run, anchor, hidden):
+        global _last_saved
+        ctx.run = run
+        ctx.hidden_requires_grad = hidden.requires_grad
+        device = hidden.device
+        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        saved = _SavedInput(hidden.detach())
+        previous = _last_saved() if _last_saved is not None else None
+        if previous is not None and previous.host is not None and previous.device == device:
+            saved.prev = weakref.ref(previous)
+        _last_saved = weakref.ref(saved)
+        ctx.saved = saved
+        with torch.no_grad():
+            output = run(hidden)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError("--activation_offload expects decoder layers that return a tensor "
+                            f"(got {type(output).__name__}); drop --activation_offload for this model")
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved = ctx.saved
+        hidden = saved.get().detach().requires_grad_(ctx.hidden_requires_grad)
+        previous = saved.prev() if saved.prev is not None else None
+        if previous is not None:
+            previous.prefetch()  # the layer below is recomputed next: overlap its copy with this one
+        device_type, enabled, dtype = ctx.autocast
+        devices = [hidden.device] if hidden.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                output = ctx.run(hidden)
+        if output.requires_grad:
+            torch.autograd.backward(output, grad_output)
+        ctx.run = ctx.saved = None
+        return None, None, hidden.grad if ctx.hidden_requires_grad else None
+
+
+def offloaded_checkpoint(function, hidden, *args):
+    """Drop-in for transformers' `_gradient_checkpointing_func(forward, hidden_states, ...)`."""
+    anchor = torch.empty(0, requires_grad=True)
+    return _OffloadedCheckpoint.apply(lambda h: function(h, *args), anchor, hidden)
+
+
+def enable_activation_offload(model) -> int:
+    """Make every checkpointed layer of `model` offload its saved input. Call after
+    gradient_checkpointing_enable. Returns the number of layers."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = offloaded_checkpoint
+            count += 1
+    if count == 0:
+        raise RuntimeError("--activation_offload found no checkpointed layers (gradient checkpointing off, or a "
+                           "model without transformers' checkpointing support)")
+    return count
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter offload
+
+
+class ParamOffload:
+    """Trained weights of some modules kept in CPU memory and copied to `device` at each use."""
+
+    def __init__(self, model, policy: str, device, strict=True):
+        self.device = torch.device(device)
+        self.cache = None  # id(param) -> GPU copy, inside `resident()`
+        self.modules = resolve_offload_modules(model, policy, strict)
+        pin = self.device.type == "cuda"
+        for name, module in self.modules:
+            for param in module.parameters(recurse=False):
+                if param.device.type != "cpu":
+                    param.data = param.data.to("cpu")
+                if pin and not param.data.is_pinned():
+                    param.data = param.data.pin_memory()
+            module.forward = self._forward_of(module)
+            module.lean_rl_fetch = self.fetch  # lets the chunked LM head fetch the weight once
+        model.lean_rl_param_offload = self
+        _report_device(model, self.device)
+
+    def fetch(self, param):
+        if param is None or param.device == self.device:
+            return param
+        if self.cache is not None and not torch.is_grad_enabled():
+            if id(param) not in self.cache:
+                self.cache[id(param)] = param.detach().to(self.device, non_blocking=True)
+            return self.cache[id(param)]
+        return param.to(self.device, non_blocking=True)  # differentiable: the gradient goes back to the CPU
+
+    def _forward_of(self, module):
+        if isinstance(module, torch.nn.Embedding):
+            return lambda ids: F.embedding(ids.to(self.device), self.fetch(module.weight), module.padding_idx,
+                                           module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse)
+        return lambda x: F.linear(x, self.fetch(module.weight), self.fetch(module.bias))
+
+    @contextmanager
+    def resident(self):
+        """For a no-grad phase: one GPU copy of each offloaded weight, freed at the end."""
+        self.cache = {}
+        try:
+            yield
+        finally:
+            self.cache = None
+
+    def describe(self) -> str:
+        count = sum(p.numel() for _, m in self.modules for p in m.parameters(recurse=False))
+        return f"{', '.join(n for n, _ in self.modules)} ({count / 1e6:.1f}M parameters) in CPU memory"
+
+
+def _report_device(model, device):
+    """transformers takes a model's device from its first parameter (the embeddings, now on the
+    CPU) and puts generate()'s tensors there; make every PreTrainedModel inside say `device`."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            cls = type(module)
+            module.__class__ = type(cls.__name__, (cls,), {"device": property(lambda self: device),
+                                                          "__module__": cls.__module__})
+
+
+def resolve_offload_modules(model, policy: str, strict=True):
+    """--offload_policy -> [(name, module)]: `embedding` / `lm_head` are the model's input and
+    output embeddings; other names match module names (exactly, or as a dotted suffix). With
+    strict=False (the critic, which has a value head instead of an LM head) names that match
+    nothing are skipped."""
+    from utils.cli import UsageError
+
+    inner = model
+    while True:  # through PEFT and the critic's ValueModel to the transformers model
+        if hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        elif not hasattr(inner, "get_input_embeddings") and hasattr(inner, "model"):
+            inner = inner.model
+        else:
+            break
+    named = dict(inner.named_modules())
+    found, seen = [], set()
+    for entry in [p.strip() for p in policy.split(",") if p.strip()]:
+        if entry == "embedding":
+            matches = [m for m in [inner.get_input_embeddings()] if m is not None]
+        elif entry == "lm_head":
+            matches = [m for m in [inner.get_output_embeddings()] if m is not None]
+        else:
+            matches = [m for n, m in named.items() if n == entry or n.endswith("." + entry)]
+        if not matches and not strict:
+            continue
+        if not matches:
+            raise UsageError(f"--offload_policy {entry}: no such module in the model; use embedding, lm_head or a "
+                             f"module name such as {next(iter(n for n in named if n.endswith('proj')), 'lm_head')}")
+        for module in matches:
+            if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or type(module).forward not in (
+                    torch.nn.Linear.forward, torch.nn.Embedding.forward):
+                raise UsageError(f"--offload_policy {entry}: only plain Linear and Embedding modules can be offloaded "
+                                 f"(got {type(module).__name__}; an adapted LoRA layer cannot)")
+            if id(module) not in seen:
+                seen.add(id(module))
+                found.append((entry, module))
+    return found
+
+
+@contextmanager
+def resident(model):
+    """`ParamOffload.resident` of the model if it has offloaded parameters, else nothing."""
+    offload = getattr(getattr(model, "module", model), "lean_rl_param_offload", None)
+    if offload is None:
+        yield
+        return
+    with offload.resident():
+        yield
