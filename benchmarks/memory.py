@@ -253,8 +253,12 @@ def run_config(name, flags, cmd, run_dir, gpu=None, echo=False):
     return result
 
 
-def run_all(configs, make_cmd, run_root, parallel_gpus, echo):
-    """Run (name, flags) configs, up to parallel_gpus at once, each pinned to its own GPU."""
+def run_all(configs, make_cmd, run_root, parallel_gpus, echo, on_result=None):
+    """Run (name, flags) configs, up to parallel_gpus at once, each pinned to its own GPU;
+    `on_result(results so far)` after each one (a sweep's reports survive an interrupted run)."""
+    import threading
+
+    done, lock = [], threading.Lock()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = queue.Queue()
     for gpu in (visible.split(",") if visible else [str(i) for i in range(parallel_gpus)])[:parallel_gpus]:
@@ -271,6 +275,10 @@ def run_all(configs, make_cmd, run_root, parallel_gpus, echo):
             result = run_config(name, flags, make_cmd(run_dir, flags), run_dir, pinned, echo)
             print(f"[{name}] {result['status']}: peak reserved {fmt(result['peak_reserved_gib'])} GiB, "
                   f"step {fmt(result['step_time_s'], '.3g')} s, wall {result['wall_s']:.0f} s", flush=True)
+            with lock:
+                done.append(result)
+                if on_result:
+                    on_result(sorted(done, key=lambda r: [c[0] for c in configs].index(r["name"])))
             return result
         finally:
             gpus.put(gpu)
@@ -416,7 +424,6 @@ def main(argv=None):
         configs = [(name, shlex.split(flags)) for name, flags in SWEEP if name in wanted]
 
     on_gpu, gpu_name = device_info()
-    os.makedirs(args.out, exist_ok=True)
     cache_dir, out = os.path.abspath(args.cache_dir), os.path.abspath(args.out)  # the runs' cwd is the repo root
     print(f"device: {gpu_name} | shape {args.shape} | {args.script} | {args.steps} steps | cache {cache_dir}",
           flush=True)
@@ -426,7 +433,11 @@ def main(argv=None):
     def make_cmd(run_dir, flags):
         return command(args.shape, args.script, model_dir, tok_dir, dataset, run_dir, args.steps, extra + flags)
 
-    results = run_all(configs, make_cmd, run_root, args.parallel_gpus, echo=not args.sweep)
+    def write_so_far(results):
+        write_reports(results, out, args.shape, args.script, gpu_name, args.steps, extra)
+
+    results = run_all(configs, make_cmd, run_root, args.parallel_gpus, echo=not args.sweep,
+                      on_result=write_so_far if args.sweep else None)
     print(f"\nGPU: {gpu_name}")
     for r in results:
         print(f"command ({r['name']}): {r['command']}")
@@ -435,8 +446,10 @@ def main(argv=None):
         peak = results[0]["peak_reserved_gib"]
         verdict = "n/a" if peak is None else ("MET" if peak <= limit else f"MISSED by {peak - limit:.2f} GiB")
         print(f"\ntarget {args.target}: peak reserved {fmt(peak)} GiB vs limit {limit:.0f} GiB: {verdict}")
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"target_{args.target}.json"), "w") as f:
-            json.dump(dict(target=args.target, limit_gib=limit, gpu=gpu_name, verdict=verdict, **results[0]), f, indent=1)
+            json.dump({**results[0], "target": args.target, "limit_gib": limit, "gpu_name": gpu_name,
+                       "verdict": verdict}, f, indent=1)
     if args.sweep:
         print("\n" + markdown_table(results))
         print("\nwrote " + ", ".join(write_reports(results, out, args.shape, args.script, gpu_name, args.steps,
