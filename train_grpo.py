@@ -188,6 +188,7 @@ def main(argv=None):
     from utils.ops import batched_completion_logprobs, completion_logprobs, plan_micro_batches
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
     from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
+    from utils.plan import run_planner
 
     # ---- 1. arguments, checked before any model loads -------------------------------------------
     try:
@@ -201,6 +202,11 @@ def main(argv=None):
     is_main, num_processes, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
     try:
         local_completions = check_args(args, num_processes, explicit)
+        if args.plan or args.auto_memory:  # utils/plan.py: estimate memory, print the plan (--plan exits)
+            extra = run_planner(args, "grpo", num_processes, accelerator.device, is_main)
+            args, explicit = parse_args(Args, list(sys.argv[1:] if argv is None else argv) + extra)
+            apply_presets(args, explicit, TOY_PRESET, DEBUG_PRESET)
+            local_completions = check_args(args, num_processes, explicit)
         check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
         check_report_to(args.report_to)
         specs, reward_fns, reward_weights = reward_utils.resolve_rewards(
@@ -422,7 +428,7 @@ def main(argv=None):
         save_pretrained_atomic(accelerator, model, tokenizer, final_dir)
     check_replicas_in_sync(accelerator, model)
     if is_main and reward_history:
-        print(first_last_line(reward_history, final_dir), flush=True)
+        print(first_last_line(reward_history, final_dir if args.save_strategy != "no" else None), flush=True)
     if torch.cuda.is_available():
         print(f"[rank {rank}] peak GPU memory allocated: {gpu_peaks_line(timer)}", flush=True)
     logger.close()

@@ -35,18 +35,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-# name -> Qwen2Config fields (the reference shapes; `tiny` is for CPU tests)
-SHAPES = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
-}
+from utils.plan import SHAPES  # noqa: E402 (name -> Qwen2Config fields; `tiny` is for CPU tests)
+
 SHAPE_COMMON = dict(max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
 
 # the workloads' flags (W-GRPO, W-PPO), and the small sizes that make `tiny` run on CPU in seconds

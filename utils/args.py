@@ -36,6 +36,9 @@ class SharedArgs:
     param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use; one process only. Same math."})
     offload_policy: str = field(default="embedding,lm_head", metadata={"help": "Comma list for --param_offload: embedding (input embeddings), lm_head (output embeddings), or names of Linear/Embedding modules."})
     generation_batch_size: Optional[int] = field(default=None, metadata={"help": "Generate rollouts this many prompts' completions at a time (smaller KV cache); default: all at once."})
+    plan: bool = field(default=False, metadata={"help": "Print the memory planner's estimate (per role, component and phase) and the cheapest flags that fit (utils/plan.py), then exit; nothing loads."})
+    auto_memory: bool = field(default=False, metadata={"help": "Apply the memory planner's flags, then train."})
+    gpu_memory: Optional[str] = field(default=None, metadata={"help": "GPU memory to plan for with --plan / --auto_memory, e.g. 80GiB; default: this process's GPU."})
     empty_cache_between_phases: bool = field(default=False, metadata={"help": "Return cached GPU memory to the driver after each phase (generate, ref, update...), so one phase's KV cache and logits do not crowd the next. Costs allocator time."})
     # --- LoRA (PEFT): the reference is then the policy with its adapter disabled, no second copy
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights (actor, and the critic with its value head fully trained)."})

@@ -93,4 +93,5 @@ def first_last_line(history, final_dir) -> str:
     """`reward: first 10 steps 0.079 -> last 10 steps 0.943 | saved ...`, the run's last word."""
     k = max(1, min(10, len(history) // 4))
     before, after = sum(history[:k]) / k, sum(history[-k:]) / k
-    return f"reward: first {k} steps {before:.3f} -> last {k} steps {after:.3f} | saved {final_dir}"
+    saved = f"saved {final_dir}" if final_dir else "nothing saved (--save_strategy no)"
+    return f"reward: first {k} steps {before:.3f} -> last {k} steps {after:.3f} | {saved}"

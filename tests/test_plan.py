@@ -1,0 +1,102 @@
+"""The memory planner (utils/plan.py): parameter counts against real models, the estimate against a
+hand calculation for the tiny model and against the measured H200 runs, the plan's choices, and
+the scripts' --plan / --auto_memory."""
+import pytest
+
+import train_grpo
+from utils import toy
+from utils.cli import UsageError, parse_args
+from utils.plan import (GIB, MEASURED, SHAPES, WORKLOAD_GRPO, Shape, apply_flags, estimate, load_shape,
+                        parse_memory, plan, script_args)
+
+
+def test_parameter_counts_match_real_models():
+    model = toy.build_model(toy.build_tokenizer())
+    assert load_shape(None).params == sum(p.numel() for p in model.parameters())
+    # transformers' own counts of the workload shapes (Qwen2, built on the meta device)
+    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-7b": 7_615_616_512}
+    for name, count in expected.items():
+        assert load_shape(name).params == count, name
+
+
+def test_estimate_against_a_hand_calculation_for_the_tiny_model():
+    """Tiny Llama (vocab 100, hidden 64, intermediate 256, 2 layers, 4 heads, 2 KV heads, tied,
+    no q/k/v biases): 129,600 parameters. fp32 weights and AdamW, no autocast, GRPO with 2
+    prompts x 4 completions, prompts 10 + completions 6 tokens, micro-batches of 4."""
+    args, explicit = parse_args(train_grpo.Args, [
+        "--prompts_per_step", "2", "--num_generations", "4", "--max_prompt_length", "10",
+        "--max_completion_length", "6", "--per_device_train_batch_size", "4", "--mixed_precision", "no"])
+    train_grpo.check_args(args, 1, explicit)
+    est = estimate(load_shape(None), args, "grpo")
+    comp = est["components"]
+    params = 129_600
+    assert comp["actor/weights"] == params * 4
+    assert comp["actor/gradients"] == params * 4
+    assert comp["actor/optimizer"] == params * 8  # two fp32 moments
+    assert comp["actor/autocast_copies"] == 0  # no autocast
+    assert comp["ref/weights"] == params * 2  # bf16 frozen copy
+    # KV cache: 8 rows x 16 tokens x 2 layers x (K and V) x 2 heads x 16 dims x 2 bytes
+    assert comp["generate/kv_cache"] == 8 * 16 * 2 * 2 * 2 * 16 * 2 == 32_768
+    # activations without checkpointing: 2 layers x 64 tokens (4 rows x 16) x (34 x 64 + 8 x 256) bytes
+    assert comp["update/activations"] == 2 * 64 * (34 * 64 + 8 * 256) == 540_672
+    # logits: 4 rows x 7 positions x vocab 100 x 14 bytes, plus the hidden states at those positions in fp32
+    assert comp["update/logits"] == 4 * 7 * 100 * 14 + 4 * 7 * 64 * 4
+    static = params * 4 + params * 8 + params * 2
+    update = static + params * 4 + comp["update/activations"] + comp["update/logits"]
+    assert est["phases"]["actor_update"] == update == est["peak_allocated"]
+
+
+@pytest.mark.parametrize("shape, flags, measured", MEASURED, ids=[f"{s}-{i}" for i, (s, _, _) in enumerate(MEASURED)])
+def test_estimates_within_15_percent_of_the_h200_runs(shape, flags, measured):
+    est = estimate(load_shape(shape), script_args("grpo", WORKLOAD_GRPO + flags))["peak_reserved"] / GIB
+    assert abs(est / measured - 1) <= 0.15, (est, measured)
+
+
+def _workload(flags=()):
+    return script_args("grpo", WORKLOAD_GRPO + list(flags))
+
+
+def test_plan_adds_levers_until_it_fits_and_nothing_when_it_fits():
+    shape, args = load_shape("qwen2.5-7b"), _workload()
+    added, reasons, final = plan(shape, args, "grpo", parse_memory("48GiB"), parse=lambda f: apply_flags(args, f))
+    assert final["peak_reserved"] <= 0.9 * 48 * GIB
+    assert added.count("--optim") == 1  # a later optimizer choice replaces the earlier
+    assert "--use_gradient_checkpointing" in added and len(reasons) >= 3
+    none, reasons, _ = plan(shape, args, "grpo", parse_memory("1000GiB"), parse=lambda f: apply_flags(args, f))
+    assert none == [] and reasons == []
+    _, reasons, _ = plan(shape, args, "grpo", parse_memory("8GiB"), parse=lambda f: apply_flags(args, f))
+    assert "use --use_lora" in reasons[-1]  # full-parameter 7B cannot fit in 8 GiB: say what would
+
+
+def test_apply_flags_and_memory_sizes():
+    args = _workload()
+    changed = apply_flags(args, ["--optim", "adamw_4bit", "--use_gradient_checkpointing", "--ref_offload",
+                                 "--max_token_len_per_gpu", "4096"])
+    assert (changed.optim, changed.use_gradient_checkpointing, changed.ref_device, changed.max_token_len_per_gpu) == \
+        ("adamw_4bit", True, "offload", 4096)
+    assert args.optim == "adamw_torch"  # a copy
+    assert parse_memory("80GiB") == 80 * GIB and parse_memory("48GB") == 48 * 10**9 and parse_memory("16") == 16 * GIB
+    with pytest.raises(ValueError, match="80GiB"):
+        parse_memory("lots")
+
+
+def test_shapes_cover_the_workloads():
+    assert set(SHAPES) >= {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"}
+    assert Shape.from_config(SHAPES["qwen2.5-7b"]).tied is False
+
+
+def test_scripts_plan_and_exit_before_loading(run, tmp_path):
+    result = run(["--model_name_or_path", "qwen2.5-7b", "--plan", "--gpu_memory", "48GiB", "--max_prompt_length",
+                  "256", "--max_completion_length", "512", "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "plan: " in result.stdout and "estimated peak reserved with the plan" in result.stdout
+    assert "actor/weights" in result.stdout and not (tmp_path / "metrics.jsonl").exists()
+    result = run(["--plan", "--output_dir", str(tmp_path)], script="train_ppo.py")  # CPU, no --gpu_memory
+    assert result.returncode == 2 and "give --gpu_memory" in result.stderr
+
+
+def test_auto_memory_applies_the_plan(run, tmp_path):
+    result = run(["--auto_memory", "--gpu_memory", "0.0001GiB", "--max_steps", "1", "--save_strategy", "no",
+                  "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "plan: --logprob_chunk_size 1024 --use_gradient_checkpointing" in result.stdout
