@@ -223,7 +223,7 @@ def main(argv=None):
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import PhaseTimer, gpu_peaks_line, host_peak_rss_gib
+    from utils.memory import MemoryTracker, PhaseTimer, StepSnapshot, gpu_peaks_line, host_peak_rss_gib
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
                                 load_value_model, lora_kwargs, quantization_of, resolve_mixed_precision)
@@ -308,6 +308,7 @@ def main(argv=None):
                                    device=placements["ref"].device)
         ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
         table.append(("ref", placements["ref"], False))
+    reward_model = None
     if args.reward_model_name_or_path:
         reward_model = reward_utils.RewardModel(args.reward_model_name_or_path, placements["reward"], frozen,
                                                 fallback_tokenizer=tokenizer, trust_remote_code=args.trust_remote_code,
@@ -337,6 +338,10 @@ def main(argv=None):
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
     timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
+    tracker = MemoryTracker({name: role for name, role in {"actor": (actor, actor_optimizer), "critic": (critic, critic_optimizer),
+                             "ref": (ref_model, None), "reward": (reward_model and reward_model.model, None)}.items()
+                             if role[0] is not None}, args.log_memory_every, args.memory_report)
+    snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
     chunk = args.logprob_chunk_size
     entropy_mode = ("checkpointed" if args.entropy_checkpointing else "grad") if args.entropy_coef > 0 else "metric"
     most_micro_batches = lambda n: int(accelerator.gather(torch.tensor([n], device=home)).max())  # noqa: E731
@@ -360,6 +365,7 @@ def main(argv=None):
                     mininterval=0.5 if sys.stderr.isatty() else 30)
     for step in progress:
         timer.reset()
+        snapshot.begin()
         step_start = time.perf_counter()
         raw_prompts, prompts, columns = data_utils.process_batch(
             dataset, step, args.prompts_per_step, args.seed, rank, num_processes, args.prompt_column,
@@ -509,6 +515,11 @@ def main(argv=None):
             if args.debug and is_main and step % 25 == 0:
                 tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} (score {scores[0].item():.3f})")
 
+        snapshot.end()
+        table = tracker.after_step(step + 1, timer.metrics)  # --log_memory_every
+        if table and is_main:
+            tqdm.write(table)
+
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)
         trainer_state = {"total_skipped": guard.total, "kl_coef": kl_coef}
         signum = checkpointer.after_step(step + 1, args.max_steps, trainer_state)
@@ -527,6 +538,8 @@ def main(argv=None):
         print(first_last_line(score_history, final_dir if args.save_strategy != "no" else None), flush=True)
     if torch.cuda.is_available():
         print(f"[rank {rank}] peak GPU memory allocated: {gpu_peaks_line(timer)}", flush=True)
+    if tracker.enabled and is_main:
+        print(tracker.table() + "".join(f"\nwrote {path}" for path in tracker.write()), flush=True)
     logger.close()
 
 

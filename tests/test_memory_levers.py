@@ -389,3 +389,20 @@ def test_chunked_logprobs_through_an_offloaded_model():
                                       chunk_size=5)
     real = mask[:, 5:].bool()
     torch.testing.assert_close(got[real], want.detach()[real], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_levers_under_two_ddp_processes(tmp_path, script):
+    """Checkpointing with activation offload (a reentrant-style backward inside DDP), token-budget
+    micro-batches (the processes agree on a count), chunked head with an entropy bonus: two gloo
+    processes end with identical weights (the script checks and fails otherwise)."""
+    from helpers import launch_two_cpu_processes
+
+    result = launch_two_cpu_processes(script, [
+        "--max_steps", "2", "--output_dir", str(tmp_path), "--save_strategy", "no", "--use_gradient_checkpointing",
+        "--activation_offload", "--use_dynamic_bsz", "--max_token_len_per_gpu", "100", "--logprob_chunk_size", "7",
+        "--entropy_coef", "0.01"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "num_processes=2" in result.stdout
+    prints = [line for line in result.stdout.splitlines() if "final weights fingerprint" in line]
+    assert len(prints) == 2 and prints[0].split(":", 1)[1] == prints[1].split(":", 1)[1]

@@ -36,6 +36,9 @@ class SharedArgs:
     param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use; one process only. Same math."})
     offload_policy: str = field(default="embedding,lm_head", metadata={"help": "Comma list for --param_offload: embedding (input embeddings), lm_head (output embeddings), or names of Linear/Embedding modules."})
     generation_batch_size: Optional[int] = field(default=None, metadata={"help": "Generate rollouts this many prompts' completions at a time (smaller KV cache); default: all at once."})
+    log_memory_every: int = field(default=0, metadata={"help": "Print each role's GPU/CPU bytes (weights, gradients, optimizer state) and the phase peaks every N steps and at the end; 0: never."})
+    memory_report: Optional[str] = field(default=None, metadata={"help": "Folder for memory.json, memory_timeline.png (phase peaks across steps) and memory_breakdown.png (roles x weights/gradients/optimizer, phases' transient memory), written at the end."})
+    memory_snapshot: Optional[str] = field(default=None, metadata={"help": "Record the CUDA allocator over the first step and write this pickle (open it at pytorch.org/memory_viz); GPU only."})
     plan: bool = field(default=False, metadata={"help": "Print the memory planner's estimate (per role, component and phase) and the cheapest flags that fit (utils/plan.py), then exit; nothing loads."})
     auto_memory: bool = field(default=False, metadata={"help": "Apply the memory planner's flags, then train."})
     gpu_memory: Optional[str] = field(default=None, metadata={"help": "GPU memory to plan for with --plan / --auto_memory, e.g. 80GiB; default: this process's GPU."})
@@ -169,11 +172,22 @@ def check_memory_args(args, num_processes=1):
         if value in ("balanced", "auto", "offload"):
             raise UsageError(f"--{role}_device {value} with --load_in_{bits}bit: a quantised model is loaded onto one "
                              "device and stays there; use cuda:N or cpu")
+    if args.log_memory_every < 0:
+        raise UsageError(f"--log_memory_every must be >= 0 (got {args.log_memory_every})")
+    if args.memory_snapshot and not torch_cuda_available():
+        raise UsageError("--memory_snapshot records the CUDA allocator; no CUDA GPU is visible (use --memory_report "
+                         "for the per-phase and per-role report)")
     if args.param_offload and num_processes > 1:
         raise UsageError(f"--param_offload keeps trained weights on the CPU, which DDP cannot wrap; it needs one process "
                          f"(got {num_processes})")
     if args.param_offload and not [p for p in args.offload_policy.split(",") if p.strip()]:
         raise UsageError("--param_offload needs --offload_policy (e.g. embedding,lm_head)")
+
+
+def torch_cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def divisors(n):

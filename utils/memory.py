@@ -71,3 +71,192 @@ def gpu_peaks_line(timer=None) -> str:
     if timer is not None and timer.cuda:
         peaks = [(i, max(b, timer.run_peak_bytes) if i == timer.device.index else b) for i, b in peaks]
     return ", ".join(f"cuda:{i} {b / GIB:.2f}GiB" for i, b in peaks if b > 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-role memory: where each trained or frozen model's bytes live (--log_memory_every,
+# --memory_report, --memory_snapshot)
+
+
+def human_bytes(n) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _state_tensors(optimizer):
+    for state in optimizer.state.values():
+        for value in state.values():
+            if hasattr(value, "__tensor_flatten__"):  # torchao's quantised states: their real buffers
+                yield from (getattr(value, name) for name in value.__tensor_flatten__()[0])
+            elif isinstance(value, torch.Tensor):
+                yield value
+
+
+def role_memory(model, optimizer=None) -> dict:
+    """Bytes of a role's weights, gradients (as allocated in an update: one per trainable weight,
+    same dtype and device) and optimizer state, each split into gpu and cpu. Weights on `meta`
+    (accelerate's offload keeps them in a CPU map) count as cpu."""
+    out = {f"{kind}_{where}": 0 for kind in ("weights", "gradients", "optimizer") for where in ("gpu", "cpu")}
+    model = getattr(model, "module", model)
+    seen = set()
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        where = "gpu" if param.is_cuda else "cpu"
+        size = param.numel() * param.element_size()
+        out[f"weights_{where}"] += size
+        if param.requires_grad:
+            out[f"gradients_{where}"] += size
+    if optimizer is not None:
+        for tensor in _state_tensors(optimizer):
+            out["optimizer_" + ("gpu" if tensor.is_cuda else "cpu")] += tensor.numel() * tensor.element_size()
+    return out
+
+
+class MemoryTracker:
+    """Phase peaks per step (from PhaseTimer's metrics) and per-role bytes; a table every
+    `every` steps, and memory.json + two plots in `report_dir` at the end. Off (every=0, no
+    report_dir): nothing is computed."""
+
+    def __init__(self, roles, every=0, report_dir=None):
+        self.roles = roles  # name -> (model, optimizer or None)
+        self.every, self.report_dir = every, report_dir
+        self.timeline = []  # {"step", phase -> {"allocated", "reserved"} GiB, "host_rss"}
+        self.enabled = bool(every or report_dir)
+
+    def after_step(self, step, phase_metrics):
+        if not self.enabled:
+            return None
+        row = {"step": step, "host_peak_rss_gib": host_peak_rss_gib()}
+        for key, value in phase_metrics.items():
+            if key.startswith("memory/") and key.endswith("_gib"):
+                _, phase, kind = key.split("/")
+                row.setdefault(phase, {})[kind.replace("peak_", "").replace("_gib", "")] = value
+        self.timeline.append(row)
+        if self.every and step % self.every == 0:
+            return self.table()
+        return None
+
+    def roles_now(self):
+        return {name: role_memory(model, optimizer) for name, (model, optimizer) in self.roles.items()}
+
+    def table(self) -> str:
+        lines = [f"{'role':<8}" + "".join(f"{h:>12}" for h in ("weights GPU", "grads GPU", "optim GPU", "weights CPU",
+                                                                 "grads CPU", "optim CPU"))]
+        for name, m in self.roles_now().items():
+            lines.append(f"{name:<8}" + "".join(f"{human_bytes(m[k]):>12}" for k in (
+                "weights_gpu", "gradients_gpu", "optimizer_gpu", "weights_cpu", "gradients_cpu", "optimizer_cpu")))
+        last = self.timeline[-1] if self.timeline else {}
+        peaks = [f"{p} {v.get('allocated', 0):.2f}/{v.get('reserved', 0):.2f}" for p, v in last.items()
+                 if isinstance(v, dict)]
+        lines.append(f"step {last.get('step', '-')}: phase peak allocated/reserved GiB: " + (", ".join(peaks) or "n/a (no GPU)")
+                     + f" | host peak RSS {last.get('host_peak_rss_gib', host_peak_rss_gib()):.2f} GiB")
+        return "\n".join(lines)
+
+    def write(self):
+        """memory.json, memory_timeline.png, memory_breakdown.png in report_dir; returns the paths."""
+        if not self.report_dir:
+            return []
+        import json
+        import os
+
+        os.makedirs(self.report_dir, exist_ok=True)
+        roles = self.roles_now()
+        data = {"roles_bytes": roles, "timeline": self.timeline}
+        paths = [os.path.join(self.report_dir, name) for name in ("memory.json", "memory_timeline.png",
+                                                                    "memory_breakdown.png")]
+        with open(paths[0], "w") as f:
+            json.dump(data, f, indent=1)
+        plot_timeline(self.timeline, paths[1])
+        plot_breakdown(roles, self.timeline, paths[2])
+        return paths
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timeline(timeline, path):
+    """Peak allocated (solid) and reserved (dashed) GiB of each phase, across steps."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    phases = sorted({p for row in timeline for p, v in row.items() if isinstance(v, dict)})
+    for i, phase in enumerate(phases):
+        steps = [row["step"] for row in timeline if phase in row]
+        color = f"C{i}"
+        ax.plot(steps, [row[phase].get("allocated", 0) for row in timeline if phase in row], "-o", color=color,
+                label=phase, markersize=3)
+        ax.plot(steps, [row[phase].get("reserved", 0) for row in timeline if phase in row], "--", color=color)
+    if not phases:
+        ax.text(0.5, 0.5, "no GPU: no device memory recorded", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB (solid: peak allocated, dashed: peak reserved)")
+    ax.set_title("GPU memory per phase")
+    if phases:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_breakdown(roles, timeline, path):
+    """Stacked bars: each role's weights / gradients / optimizer state on the GPU and the CPU, and
+    each phase's transient memory (its last peak minus the roles' resident GPU bytes: KV cache,
+    activations, logits)."""
+    plt = _plt()
+    resident = sum(m["weights_gpu"] + m["optimizer_gpu"] for m in roles.values()) / GIB
+    grads = sum(m["gradients_gpu"] for m in roles.values()) / GIB
+    last = timeline[-1] if timeline else {}
+    bars = [(f"{name} ({where.upper()})", [m[f"weights_{where}"] / GIB, m[f"gradients_{where}"] / GIB,
+                                            m[f"optimizer_{where}"] / GIB, 0.0])
+            for name, m in roles.items() for where in ("gpu", "cpu")]
+    for phase, v in last.items():
+        if isinstance(v, dict):
+            in_update = phase.endswith("_update")
+            bars.append((f"phase {phase}", [0.0, 0.0, 0.0, max(v.get("allocated", 0) - resident
+                                                              - (grads if in_update else 0), 0.0)]))
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.45 * len(bars)))
+    left = [0.0] * len(bars)
+    for j, (label, color) in enumerate((("weights", "C0"), ("gradients", "C1"), ("optimizer", "C2"),
+                                        ("activations / KV / logits", "C3"))):
+        values = [b[1][j] for b in bars]
+        ax.barh(range(len(bars)), values, left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("GiB (roles: bytes held; phases: last peak above the roles' GPU weights, optimizer state and, "
+                  "in updates, gradients)", fontsize=8)
+    ax.set_title("Where the memory goes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class StepSnapshot:
+    """--memory_snapshot FILE: record the CUDA allocator's history over the run's first step and
+    dump the pickle that https://pytorch.org/memory_viz opens. Off (path None): nothing."""
+
+    def __init__(self, path):
+        self.path, self.recording = path, False
+
+    def begin(self):
+        if self.path and not self.recording and self.recording is not None:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            self.recording = True
+
+    def end(self):
+        if self.recording:
+            torch.cuda.memory._dump_snapshot(self.path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.recording = None  # once
+            print(f"memory snapshot of the first step: {self.path} (open it at https://pytorch.org/memory_viz)",
+                  flush=True)

@@ -1,0 +1,62 @@
+"""The per-role memory tracker (utils/memory.py): byte counts against hand counts, the table and
+report files, and the flags in both scripts."""
+import json
+
+import pytest
+import torch
+
+from helpers import metrics_of
+from utils import toy
+from utils.memory import MemoryTracker, human_bytes, role_memory
+
+
+def test_role_memory_counts_weights_gradients_and_optimizer_state():
+    model = toy.build_model(toy.build_tokenizer())
+    params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
+    tensors = len(list(model.parameters()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = role_memory(model, optimizer)
+    assert before["weights_cpu"] == params * 4 and before["gradients_cpu"] == params * 4
+    assert before["optimizer_cpu"] == 0 and before["weights_gpu"] == 0
+    model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    optimizer.step()
+    # two fp32 moments per weight, and AdamW's step counter: one fp32 scalar per tensor
+    assert role_memory(model, optimizer)["optimizer_cpu"] == params * 8 + tensors * 4
+    model.requires_grad_(False)
+    assert role_memory(model)["gradients_cpu"] == 0  # a frozen role has no gradients
+
+
+def test_tracker_table_and_report(tmp_path):
+    model = toy.build_model(toy.build_tokenizer())
+    tracker = MemoryTracker({"actor": (model, None)}, every=2, report_dir=str(tmp_path))
+    fake = {"memory/generate/peak_allocated_gib": 1.5, "memory/generate/peak_reserved_gib": 2.0,
+            "memory/actor_update/peak_allocated_gib": 3.0, "memory/actor_update/peak_reserved_gib": 3.5,
+            "time/generate": 0.1}
+    assert tracker.after_step(1, fake) is None  # every 2 steps
+    table = tracker.after_step(2, fake)
+    assert "actor" in table and "generate 1.50/2.00" in table and "actor_update 3.00/3.50" in table
+    paths = tracker.write()
+    data = json.load(open(paths[0]))
+    assert [row["step"] for row in data["timeline"]] == [1, 2]
+    assert data["timeline"][1]["actor_update"] == {"allocated": 3.0, "reserved": 3.5}
+    for png in paths[1:]:
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not MemoryTracker({"actor": (model, None)}).enabled
+    assert human_bytes(3 * 1024**3) == "3.00 GiB" and human_bytes(2048) == "2.00 KiB"
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_scripts_write_the_memory_report(run, tmp_path, script):
+    result = run(["--max_steps", "2", "--log_memory_every", "1", "--memory_report", str(tmp_path / "report"),
+                  "--output_dir", str(tmp_path / "out"), "--save_strategy", "no"], script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("weights GPU") == 3  # steps 1, 2 and the end
+    assert (tmp_path / "report" / "memory_breakdown.png").exists()
+    assert len(json.load(open(tmp_path / "report" / "memory.json"))["timeline"]) == len(metrics_of(tmp_path / "out"))
+
+
+def test_memory_snapshot_needs_a_gpu(run, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU error")
+    result = run(["--memory_snapshot", str(tmp_path / "s.pickle"), "--output_dir", str(tmp_path)])
+    assert result.returncode == 2 and "--memory_snapshot records the CUDA allocator" in result.stderr
