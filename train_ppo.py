@@ -223,7 +223,7 @@ def main(argv=None):
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import MemoryTracker, PhaseTimer, StepSnapshot, gpu_peaks_line, host_peak_rss_gib
+    from utils.memory import MemoryTracker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line, host_peak_rss_gib
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
                                 load_value_model, lora_kwargs, quantization_of, resolve_mixed_precision)
@@ -342,6 +342,7 @@ def main(argv=None):
                              "ref": (ref_model, None), "reward": (reward_model and reward_model.model, None)}.items()
                              if role[0] is not None}, args.log_memory_every, args.memory_report)
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
+    oom = OOMReport(args, "ppo", timer, tracker, num_processes)  # explains an out-of-memory error, if one ends the run
     chunk = args.logprob_chunk_size
     entropy_mode = ("checkpointed" if args.entropy_checkpointing else "grad") if args.entropy_coef > 0 else "metric"
     most_micro_batches = lambda n: int(accelerator.gather(torch.tensor([n], device=home)).max())  # noqa: E731
@@ -366,6 +367,7 @@ def main(argv=None):
     for step in progress:
         timer.reset()
         snapshot.begin()
+        oom.step = step + 1
         step_start = time.perf_counter()
         raw_prompts, prompts, columns = data_utils.process_batch(
             dataset, step, args.prompts_per_step, args.seed, rank, num_processes, args.prompt_column,

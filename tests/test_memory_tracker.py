@@ -60,3 +60,22 @@ def test_memory_snapshot_needs_a_gpu(run, tmp_path):
         pytest.skip("checks the CPU error")
     result = run(["--memory_snapshot", str(tmp_path / "s.pickle"), "--output_dir", str(tmp_path)])
     assert result.returncode == 2 and "--memory_snapshot records the CUDA allocator" in result.stderr
+
+
+@pytest.mark.parametrize("script, phase", [("train_grpo.py", "actor_update"), ("train_grpo.py", "generate"),
+                                           ("train_ppo.py", "critic_update"), ("train_ppo.py", "ref")])
+def test_out_of_memory_is_explained_and_the_checkpoint_survives(run, tmp_path, script, phase):
+    """An OOM injected in a phase of step 2 (LEAN_RL_FAKE_OOM_PHASE=phase@2): the run exits
+    non-zero with the report (phase, step, roles, flags that would help), checkpoint-1 is intact
+    and the run resumes from it to the end."""
+    out = tmp_path / "out"
+    common = ["--max_steps", "3", "--save_steps", "1", "--output_dir", str(out)]
+    result = run(common, script=script, env={"LEAN_RL_FAKE_OOM_PHASE": f"{phase}@2"})
+    assert result.returncode == 1
+    assert f"OUT OF MEMORY in phase '{phase}' of step 2" in result.stderr
+    assert "where the memory is, per role" in result.stderr and "saves ~" in result.stderr
+    assert "resume with --resume_from_checkpoint latest" in result.stderr
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    resumed = run(common + ["--resume_from_checkpoint", "latest"], script=script)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["step"] for row in metrics_of(out)] == [1, 2, 3]

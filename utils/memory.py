@@ -5,7 +5,9 @@ Phases are the shared vocabulary: generate, ref, reward, values, old_logprobs, a
 critic_update. On CUDA each phase starts and ends with a synchronize (a handful per step) so
 that its time is the device's, and the peak counters are reset at its start."""
 
+import os
 import resource
+import sys
 import time
 from contextlib import contextmanager
 
@@ -24,13 +26,21 @@ class PhaseTimer:
         self.empty_cache = empty_cache  # --empty_cache_between_phases
         self.cuda = self.device.type == "cuda"
         self.metrics = {}
+        self.current = None  # the phase running now
+        self.steps = 0  # steps started in this run
         self.run_peak_bytes = 0  # peak allocated on self.device over the whole run (phases reset the counter)
 
     def reset(self):
+        """At the start of each step."""
         self.metrics = {}
+        self.steps += 1
 
     @contextmanager
     def phase(self, name):
+        self.current = name  # for the out-of-memory report
+        inject = os.environ.get("LEAN_RL_FAKE_OOM_PHASE", "")  # testing aid: `phase` or `phase@step` (1-based)
+        if inject and inject.split("@")[0] == name and ("@" not in inject or int(inject.split("@")[1]) == self.steps):
+            raise torch.OutOfMemoryError(f"(injected by LEAN_RL_FAKE_OOM_PHASE={inject})")
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -260,3 +270,85 @@ class StepSnapshot:
             self.recording = None  # once
             print(f"memory snapshot of the first step: {self.path} (open it at https://pytorch.org/memory_viz)",
                   flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Out-of-memory diagnosis
+
+
+class OOMReport:
+    """Installed as the process's excepthook: an out-of-memory error that ends the run is
+    explained in plain words first: the phase and step, each role's bytes, the GPU's state, the
+    biggest live allocations (CUDA), and the three flags the planner says would save the most.
+    Then the traceback; the process exits non-zero and the last checkpoint is left as it was."""
+
+    def __init__(self, args, algo, timer, tracker, num_processes=1):
+        self.args, self.algo, self.timer, self.tracker = args, algo, timer, tracker
+        self.num_processes, self.step = num_processes, None
+        self.previous = sys.excepthook
+        sys.excepthook = self
+
+    def __call__(self, exc_type, exc, tb):
+        if issubclass(exc_type, torch.OutOfMemoryError):
+            try:
+                print(self.describe(exc), file=sys.stderr, flush=True)
+            except Exception as e:  # the report must never hide the error itself
+                print(f"(out-of-memory report failed: {e})", file=sys.stderr)
+        self.previous(exc_type, exc, tb)
+
+    def describe(self, exc) -> str:
+        lines = ["", "=" * 80, f"OUT OF MEMORY in phase '{self.timer.current}'"
+                 + (f" of step {self.step}" if self.step is not None else "") + f": {str(exc).splitlines()[0][:200]}"]
+        if torch.cuda.is_available():
+            device = self.timer.device if self.timer.cuda else torch.device("cuda", torch.cuda.current_device())
+            free, total = torch.cuda.mem_get_info(device)
+            lines.append(f"{device}: {torch.cuda.memory_allocated(device) / GIB:.2f} GiB allocated, "
+                         f"{torch.cuda.memory_reserved(device) / GIB:.2f} GiB reserved, {free / GIB:.2f} of "
+                         f"{total / GIB:.2f} GiB free")
+            lines += biggest_allocations(device)
+        lines.append("where the memory is, per role:\n" + self.tracker.table())
+        lines.append("what would save the most (the planner's estimate, each alone; python -m utils.plan "
+                     "or --plan for a full plan):")
+        lines += [f"  {line}" for line in best_levers(self.args, self.algo, self.num_processes)]
+        lines.append("The last checkpoint is untouched: resume with --resume_from_checkpoint latest.")
+        lines.append("=" * 80)
+        return "\n".join(lines)
+
+
+def biggest_allocations(device, count=5):
+    """The largest live blocks of the CUDA allocator, with where they were allocated when the
+    allocator's history is being recorded (--memory_snapshot)."""
+    try:
+        segments = torch.cuda.memory._snapshot(device)["segments"]
+    except Exception:
+        return []
+    blocks = [b for seg in segments for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
+    blocks.sort(key=lambda b: -b["size"])
+    lines = []
+    for block in blocks[:count]:
+        frames = [f for f in block.get("frames", []) if "/torch/" not in f.get("filename", "")]
+        where = f" at {frames[0]['filename']}:{frames[0]['line']}" if frames else ""
+        lines.append(f"  live block {block['size'] / GIB:.2f} GiB{where}")
+    return (["biggest live allocations" + ("" if any(" at " in l for l in lines) else
+                                           " (run with --memory_snapshot FILE to see where they come from)") + ":"]
+            + lines) if lines else []
+
+
+def best_levers(args, algo, num_processes=1, count=3):
+    """The `count` flags from the planner's list that lower its estimated peak the most."""
+    from utils.plan import LEVERS, apply_flags, estimate, load_shape
+
+    try:
+        shape = load_shape(args.model_name_or_path)
+    except Exception as e:  # no config reachable: say so rather than guess
+        return [f"(no estimate: the model's config could not be read: {e})"]
+    base = estimate(shape, args, algo, num_processes)["peak_reserved"]
+    gains = []
+    for flags, why, applies in LEVERS:
+        if applies(args):
+            after = estimate(shape, apply_flags(args, flags), algo, num_processes)["peak_reserved"]
+            if after < base:
+                gains.append((base - after, f"{' '.join(flags)}: {why} (saves ~{human_bytes(base - after)})"))
+    if not args.use_lora:
+        gains.append((0, "--use_lora (with --load_in_4bit for QLoRA): train adapters instead of all weights"))
+    return [line for _, line in sorted(gains, key=lambda g: -g[0])[:count]]

@@ -154,3 +154,19 @@ def test_scripts_with_levers_on_gpu(run, tmp_path, local_model, script):
     assert levers["loss/policy"] == pytest.approx(base["loss/policy"], rel=2e-2, abs=1e-3)
     for name in ("qlora", "bf16_4bit"):  # (a step whose rewards are all equal has zero gradients)
         assert len(rows[name]) == 2 and rows[name][-1]["optim/skipped_steps"] == 0, name
+
+
+def test_memory_report_and_snapshot_on_gpu(run, tmp_path, local_model):
+    report, snap = tmp_path / "report", tmp_path / "first_step.pickle"
+    result = run(["--model_name_or_path", local_model, "--max_steps", "2", "--prompts_per_step", "4",
+                  "--num_generations", "4", "--max_completion_length", "32", "--save_strategy", "no",
+                  "--log_memory_every", "1", "--memory_report", str(report), "--memory_snapshot", str(snap),
+                  "--output_dir", str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    data = json.load(open(report / "memory.json"))
+    assert data["roles_bytes"]["actor"]["weights_gpu"] > 0 and data["roles_bytes"]["actor"]["optimizer_gpu"] > 0
+    assert data["timeline"][-1]["actor_update"]["allocated"] > 0
+    assert snap.stat().st_size > 0
+    print("\n" + "\n".join(line for line in result.stdout.splitlines() if "GiB" in line or "MiB" in line))
