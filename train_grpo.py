@@ -180,7 +180,8 @@ def main(argv=None):
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import MemoryTracker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line, host_peak_rss_gib
+    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
+                              host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
                                 frozen_dtype, load_causal_lm, load_tokenizer, lora_kwargs, quantization_of,
                                 resolve_mixed_precision)
@@ -287,6 +288,7 @@ def main(argv=None):
                              if role[0] is not None}, args.log_memory_every, args.memory_report)
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
     oom = OOMReport(args, "grpo", timer, tracker, num_processes)  # explains an out-of-memory error, if one ends the run
+    shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_completions)  # OOM: halve and redo a pass
     chunk = args.logprob_chunk_size
     entropy_mode = ("checkpointed" if args.entropy_checkpointing else "grad") if args.entropy_coef > 0 else "metric"
     most_micro_batches = lambda n: int(accelerator.gather(torch.tensor([n], device=home)).max())  # noqa: E731
@@ -320,9 +322,9 @@ def main(argv=None):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [b, P]
             prompt_ids = prompt_ids.repeat_interleave(G, 0)  # [B, P], B = b * G
             prompt_mask = prompt_mask.repeat_interleave(G, 0)
-            completion_ids, completion_mask, is_truncated = generate_completions(
+            completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
                 unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids,
-                args.generation_batch_size)  # [B, C], [B, C], [B]
+                args.generation_batch_size), "generate", kind="generation")  # [B, C], [B, C], [B]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]
@@ -330,16 +332,19 @@ def main(argv=None):
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~is_truncated).float().unsqueeze(1)
         # micro-batches: --per_device_train_batch_size rows, or a token budget (--use_dynamic_bsz);
-        # each cut to the columns its rows use (no all-padding prompt or completion columns)
-        plan = plan_micro_batches(attention_mask, C, batch_size=mb, num_batches_at_least=most_micro_batches,
-                                  max_tokens=args.max_token_len_per_gpu if args.use_dynamic_bsz else None)
+        # each cut to the columns its rows use (no all-padding prompt or completion columns). A plan
+        # is made per pass: --auto_reduce_micro_batch may shrink the sizes after an out-of-memory error
+        make_plan = lambda: plan_micro_batches(  # noqa: E731
+            attention_mask, C, batch_size=args.per_device_train_batch_size, num_batches_at_least=most_micro_batches,
+            max_tokens=args.max_token_len_per_gpu if args.use_dynamic_bsz else None)
 
         # 2. reference logprobs (frozen initial policy) for the KL penalty
         ref_logprobs = None
         if args.beta > 0:
             with timer.phase("ref"), resident(unwrapped), unwrapped.disable_adapter() if ref_model is None else nullcontext():
-                ref_logprobs = batched_completion_logprobs(unwrapped if ref_model is None else ref_model, input_ids,
-                                                           attention_mask, plan, args.temperature, chunk)  # [B, C]
+                ref_logprobs = shrink.retry(lambda: batched_completion_logprobs(  # [B, C]
+                    unwrapped if ref_model is None else ref_model, input_ids, attention_mask, make_plan(),
+                    args.temperature, chunk), "ref")
 
         # 3. rewards: every function on every completion, weighted sum; gathered over processes
         with timer.phase("reward"):
@@ -356,8 +361,8 @@ def main(argv=None):
         old_logprobs = None
         if args.num_iterations > 1:
             with timer.phase("old_logprobs"), resident(unwrapped):
-                old_logprobs = batched_completion_logprobs(unwrapped, input_ids, attention_mask, plan,
-                                                           args.temperature, chunk)
+                old_logprobs = shrink.retry(lambda: batched_completion_logprobs(
+                    unwrapped, input_ids, attention_mask, make_plan(), args.temperature, chunk), "old_logprobs")
 
         # 6. policy update: clipped surrogate over micro-batches, one optimizer step per iteration
         num_loss_tokens = accelerator.reduce(loss_mask.sum(), reduction="sum").item()
@@ -366,27 +371,35 @@ def main(argv=None):
         grad_norms, losses = [], []
         with timer.phase("actor_update"):
             for iteration in range(args.num_iterations):
-                step_loss = torch.zeros((), device=home)
-                for i, micro in enumerate(plan):
-                    last = i == len(plan) - 1  # all-reduce gradients on the last micro-batch only
-                    with nullcontext() if last else accelerator.no_sync(model):
-                        logprobs, entropy = completion_logprobs(  # [b, c]
-                            model, micro.window(input_ids), micro.window(attention_mask), micro.c, args.temperature,
-                            entropy=entropy_mode, chunk_size=chunk)
-                        old = micro.completion(old_logprobs) if old_logprobs is not None else logprobs.detach()
-                        ref = micro.completion(ref_logprobs) if ref_logprobs is not None else None
-                        per_token, kl, is_clipped = per_token_policy_loss(
-                            logprobs, old, micro.take(advantages), args.epsilon, args.epsilon_high, ref, args.beta)
-                        if args.entropy_coef > 0:  # entropy bonus, normalised like the policy loss
-                            per_token = per_token - args.entropy_coef * entropy
-                        mask = micro.completion(loss_mask)
-                        loss = aggregate_loss(per_token, mask, args.loss_type, num_sequences, num_loss_tokens,
-                                              args.max_completion_length)
-                        # DDP averages gradients over processes; the loss above is already a global share
-                        accelerator.backward(loss * num_processes)
-                    step_loss += loss.detach()
-                    sums += torch.stack([(kl * mask).sum().detach(), (is_clipped * mask).sum(),
-                                         (entropy.detach() * mask).sum(), mask.sum()])
+
+                def accumulate():  # this iteration's gradients over the micro-batches -> (loss, metric sums)
+                    step_loss, step_sums = torch.zeros((), device=home), torch.zeros(4, device=home)
+                    plan = make_plan()
+                    for i, micro in enumerate(plan):
+                        last = i == len(plan) - 1  # all-reduce gradients on the last micro-batch only
+                        with nullcontext() if last else accelerator.no_sync(model):
+                            logprobs, entropy = completion_logprobs(  # [b, c]
+                                model, micro.window(input_ids), micro.window(attention_mask), micro.c,
+                                args.temperature, entropy=entropy_mode, chunk_size=chunk)
+                            old = micro.completion(old_logprobs) if old_logprobs is not None else logprobs.detach()
+                            ref = micro.completion(ref_logprobs) if ref_logprobs is not None else None
+                            per_token, kl, is_clipped = per_token_policy_loss(
+                                logprobs, old, micro.take(advantages), args.epsilon, args.epsilon_high, ref, args.beta)
+                            if args.entropy_coef > 0:  # entropy bonus, normalised like the policy loss
+                                per_token = per_token - args.entropy_coef * entropy
+                            mask = micro.completion(loss_mask)
+                            loss = aggregate_loss(per_token, mask, args.loss_type, num_sequences, num_loss_tokens,
+                                                  args.max_completion_length)
+                            # DDP averages gradients over processes; the loss above is already a global share
+                            accelerator.backward(loss * num_processes)
+                        step_loss += loss.detach()
+                        step_sums += torch.stack([(kl * mask).sum().detach(), (is_clipped * mask).sum(),
+                                                  (entropy.detach() * mask).sum(), mask.sum()])
+                    return step_loss, step_sums
+
+                # out of memory: gradients zeroed, micro-batches halved, the iteration redone (exact)
+                step_loss, step_sums = shrink.retry(accumulate, "actor_update", optimizers=[optimizer])
+                sums += step_sums
                 grad_norm, finite = clip_and_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
                                                   step_loss)
                 guard.record(finite, step)
@@ -413,6 +426,7 @@ def main(argv=None):
                 "optim/grad_norm": torch.stack(grad_norms).mean().item(),
                 "optim/skipped_steps": guard.total,
                 "memory/host_peak_rss_gib": host_peak_rss_gib(),
+                "memory/auto_reductions": shrink.reductions,
             }
             metrics |= rollout_metrics(accelerator, completion_mask, is_truncated, all_rewards_per_func,
                                        [name for name, _ in reward_fns])

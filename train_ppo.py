@@ -223,7 +223,8 @@ def main(argv=None):
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import MemoryTracker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line, host_peak_rss_gib
+    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
+                              host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
                                 load_value_model, lora_kwargs, quantization_of, resolve_mixed_precision)
@@ -343,6 +344,7 @@ def main(argv=None):
                              if role[0] is not None}, args.log_memory_every, args.memory_report)
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
     oom = OOMReport(args, "ppo", timer, tracker, num_processes)  # explains an out-of-memory error, if one ends the run
+    shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_size)  # OOM: halve and redo a pass
     chunk = args.logprob_chunk_size
     entropy_mode = ("checkpointed" if args.entropy_checkpointing else "grad") if args.entropy_coef > 0 else "metric"
     most_micro_batches = lambda n: int(accelerator.gather(torch.tensor([n], device=home)).max())  # noqa: E731
@@ -376,32 +378,41 @@ def main(argv=None):
         # 1. rollout: one completion per prompt, ending at EOS or --stop_token
         with timer.phase("generate"):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [B, P]
-            completion_ids, completion_mask, is_truncated = generate_completions(
+            completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
                 unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
-                args.generation_batch_size)  # [B, C], [B, C], [B]
+                args.generation_batch_size), "generate", kind="generation")  # [B, C], [B, C], [B]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]
         mask = completion_mask.float()  # [B, C]
 
         # 2. old logprobs (the rollout policy), reference logprobs, values; micro-batches of
-        # --per_device_train_batch_size rows or a token budget, cut to the columns their rows use
-        plan = plan_micro_batches(attention_mask, C, batch_size=mb, max_tokens=token_budget,
-                                  num_batches_at_least=most_micro_batches)
+        # --per_device_train_batch_size rows or a token budget, cut to the columns their rows use. A
+        # plan is made per pass: --auto_reduce_micro_batch may shrink the sizes after an out-of-memory error
+        def make_plan(rows=None):
+            return plan_micro_batches(attention_mask, C, rows=rows, batch_size=args.per_device_train_batch_size,
+                                      max_tokens=args.max_token_len_per_gpu if args.use_dynamic_bsz else None,
+                                      num_batches_at_least=most_micro_batches)
+
+        def critic_values():  # [B, C]
+            values = torch.zeros(input_ids.shape[0], C, device=home)
+            for micro in make_plan():
+                values[micro.rows] = micro.pad(completion_values(unwrapped_critic, micro.window(input_ids),
+                                                                 micro.window(attention_mask), micro.c))
+            return values
+
         with timer.phase("old_logprobs"), resident(unwrapped_actor):
-            old_logprobs = batched_completion_logprobs(unwrapped_actor, input_ids, attention_mask, plan,
-                                                       args.temperature, chunk)  # [B, C]
+            old_logprobs = shrink.retry(lambda: batched_completion_logprobs(  # [B, C]
+                unwrapped_actor, input_ids, attention_mask, make_plan(), args.temperature, chunk), "old_logprobs")
         ref_logprobs = old_logprobs  # no KL penalty: no reference model
         if use_ref:
             with timer.phase("ref"), resident(unwrapped_actor), \
                     unwrapped_actor.disable_adapter() if ref_model is None else nullcontext():
-                ref_logprobs = batched_completion_logprobs(unwrapped_actor if ref_model is None else ref_model,
-                                                           input_ids, attention_mask, plan, args.temperature, chunk)
+                ref_logprobs = shrink.retry(lambda: batched_completion_logprobs(
+                    unwrapped_actor if ref_model is None else ref_model, input_ids, attention_mask, make_plan(),
+                    args.temperature, chunk), "ref")
         with timer.phase("values"), torch.no_grad(), resident(unwrapped_critic):
-            old_values = torch.zeros_like(old_logprobs)  # [B, C]
-            for micro in plan:
-                old_values[micro.rows] = micro.pad(completion_values(unwrapped_critic, micro.window(input_ids),
-                                                                     micro.window(attention_mask), micro.c))
+            old_values = shrink.retry(critic_values, "values")
 
         # 3. scores: rule rewards and/or the reward model, weighted; penalty for no EOS
         with timer.phase("reward"):
@@ -431,35 +442,42 @@ def main(argv=None):
             for m in range(args.num_mini_batches):
                 mini = order[m * mini_size:(m + 1) * mini_size]
                 num_tokens = mini_tokens[epoch][m]
-                actor_loss_sum = torch.zeros((), device=home)
-                critic_loss_sum = torch.zeros((), device=home)
-                micro_plan = plan_micro_batches(attention_mask, C, rows=mini, batch_size=mb, max_tokens=token_budget,
-                                                num_batches_at_least=most_micro_batches)
-                for i, micro in enumerate(micro_plan):
-                    last = i == len(micro_plan) - 1  # all-reduce gradients on the last micro-batch only
-                    m_mask = micro.completion(mask)  # [b, c]
-                    with timer.phase("actor_update"), nullcontext() if last else accelerator.no_sync(actor):
-                        logprobs, entropy = completion_logprobs(actor, micro.window(input_ids),
-                                                                micro.window(attention_mask), micro.c,
-                                                                args.temperature, entropy=entropy_mode,
-                                                                chunk_size=chunk)
-                        loss, clipped, approx_kl = policy_loss(logprobs, micro.completion(old_logprobs),
-                                                               micro.completion(advantages), m_mask, args.cliprange,
-                                                               num_tokens)
-                        if args.entropy_coef > 0:  # entropy bonus over the mini-batch's tokens
-                            loss = loss - args.entropy_coef * masked_sum(entropy, m_mask) / num_tokens
-                        accelerator.backward(loss * num_processes)  # DDP averages; the loss is a global share
-                    with timer.phase("critic_update"), nullcontext() if last else accelerator.no_sync(critic):
-                        values = completion_values(critic, micro.window(input_ids), micro.window(attention_mask),
-                                                   micro.c)
-                        v_loss, v_clipped = value_loss(values, micro.completion(old_values),
-                                                       micro.completion(returns), m_mask, args.cliprange_value,
-                                                       num_tokens)
-                        accelerator.backward(args.vf_coef * v_loss * num_processes)
-                    actor_loss_sum += loss.detach()
-                    critic_loss_sum += v_loss.detach()
-                    sums += torch.stack([clipped, approx_kl, (entropy.detach() * m_mask).sum(), v_clipped, m_mask.sum(),
-                                         v_loss.detach() * num_tokens])
+
+                def accumulate():  # this mini-batch's actor and critic gradients -> (losses, metric sums)
+                    actor_loss_sum, critic_loss_sum = torch.zeros((), device=home), torch.zeros((), device=home)
+                    mini_sums = torch.zeros(6, device=home)
+                    micro_plan = make_plan(mini)
+                    for i, micro in enumerate(micro_plan):
+                        last = i == len(micro_plan) - 1  # all-reduce gradients on the last micro-batch only
+                        m_mask = micro.completion(mask)  # [b, c]
+                        with timer.phase("actor_update"), nullcontext() if last else accelerator.no_sync(actor):
+                            logprobs, entropy = completion_logprobs(actor, micro.window(input_ids),
+                                                                    micro.window(attention_mask), micro.c,
+                                                                    args.temperature, entropy=entropy_mode,
+                                                                    chunk_size=chunk)
+                            loss, clipped, approx_kl = policy_loss(logprobs, micro.completion(old_logprobs),
+                                                                   micro.completion(advantages), m_mask,
+                                                                   args.cliprange, num_tokens)
+                            if args.entropy_coef > 0:  # entropy bonus over the mini-batch's tokens
+                                loss = loss - args.entropy_coef * masked_sum(entropy, m_mask) / num_tokens
+                            accelerator.backward(loss * num_processes)  # DDP averages; the loss is a global share
+                        with timer.phase("critic_update"), nullcontext() if last else accelerator.no_sync(critic):
+                            values = completion_values(critic, micro.window(input_ids), micro.window(attention_mask),
+                                                       micro.c)
+                            v_loss, v_clipped = value_loss(values, micro.completion(old_values),
+                                                           micro.completion(returns), m_mask, args.cliprange_value,
+                                                           num_tokens)
+                            accelerator.backward(args.vf_coef * v_loss * num_processes)
+                        actor_loss_sum += loss.detach()
+                        critic_loss_sum += v_loss.detach()
+                        mini_sums += torch.stack([clipped, approx_kl, (entropy.detach() * m_mask).sum(), v_clipped,
+                                                  m_mask.sum(), v_loss.detach() * num_tokens])
+                    return actor_loss_sum, critic_loss_sum, mini_sums
+
+                # out of memory: gradients zeroed, micro-batches halved, the mini-batch redone (exact)
+                actor_loss_sum, critic_loss_sum, mini_sums = shrink.retry(
+                    accumulate, "actor/critic update", optimizers=[actor_optimizer, critic_optimizer])
+                sums += mini_sums
                 with timer.phase("actor_update"):
                     actor_norm, actor_ok = clip_and_step(accelerator, actor, actor_optimizer, actor_scheduler,
                                                          args.max_grad_norm, actor_loss_sum)
@@ -509,6 +527,7 @@ def main(argv=None):
                 "optim/critic_grad_norm": norms_mean[1].item(),
                 "optim/skipped_steps": guard.total,
                 "memory/host_peak_rss_gib": host_peak_rss_gib(),
+                "memory/auto_reductions": shrink.reductions,
             }
             metrics |= rollout_metrics(accelerator, completion_mask, is_truncated, all_rewards_per_func,
                                        [name for name, _ in reward_fns])

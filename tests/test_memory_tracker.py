@@ -79,3 +79,68 @@ def test_out_of_memory_is_explained_and_the_checkpoint_survives(run, tmp_path, s
     resumed = run(common + ["--resume_from_checkpoint", "latest"], script=script)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [row["step"] for row in metrics_of(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("script, extra, sizes", [
+    ("train_grpo.py", [], ["--per_device_train_batch_size", "32", "--generation_batch_size", "32"]),
+    ("train_grpo.py", ["--beta", "0"], ["--per_device_train_batch_size", "32", "--generation_batch_size", "32"]),
+    ("train_ppo.py", [], ["--per_device_train_batch_size", "16", "--generation_batch_size", "16"]),
+])
+def test_auto_reduce_micro_batch_redoes_passes_exactly(run, tmp_path, script, extra, sizes):
+    """Every forward over more than 40 (GRPO) / 20 (PPO) rows runs out of memory (injected). With
+    --auto_reduce_micro_batch the generation batch and the micro-batch halve until they fit (with
+    --beta 0 the first OOM is in the update itself), and the run's losses and gradient norms equal
+    those of a run started at the sizes it shrank to."""
+    limit = "40" if script == "train_grpo.py" else "20"
+    common = ["--max_steps", "2", "--save_strategy", "no"] + extra
+    shrunk = run(common + ["--auto_reduce_micro_batch", "--output_dir", str(tmp_path / "shrunk")], script=script,
+                 env={"LEAN_RL_FAKE_OOM_ROWS": limit})
+    assert shrunk.returncode == 0, shrunk.stderr[-3000:]
+    assert "out of memory in generate: retrying with --generation_batch_size" in shrunk.stderr
+    first_oom_pass = "actor_update" if extra else ("ref" if script == "train_grpo.py" else "old_logprobs")
+    assert f"out of memory in {first_oom_pass}: retrying with --per_device_train_batch_size" in shrunk.stderr
+    plain = run(common + sizes + ["--output_dir", str(tmp_path / "plain")], script=script)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    rows_shrunk, rows_plain = metrics_of(tmp_path / "shrunk"), metrics_of(tmp_path / "plain")
+    assert rows_shrunk[-1]["memory/auto_reductions"] > 0
+    for a, b in zip(rows_shrunk, rows_plain):
+        for key in ("loss/policy", "optim/grad_norm", "reward/mean"):
+            assert a[key] == b[key], key
+
+
+def test_shrinker_zeroes_partial_gradients_before_the_retry():
+    """An OOM after some micro-batches already added their gradients: the retry starts from zero."""
+    from types import SimpleNamespace
+
+    from utils.memory import MicroBatchShrinker
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    args = SimpleNamespace(per_device_train_batch_size=4, use_dynamic_bsz=False, generation_batch_size=None,
+                           max_prompt_length=4, max_completion_length=4)
+    data = torch.arange(8.0)
+
+    def accumulate():
+        size = args.per_device_train_batch_size
+        for start in range(0, 8, size):
+            if start > 0 and size > 2:
+                raise torch.OutOfMemoryError("second micro-batch too big")
+            (weight * data[start:start + size].sum()).sum().backward()
+        return weight.grad.clone()
+
+    shrink = MicroBatchShrinker(args, True, rows=8)
+    grad = shrink.retry(accumulate, "actor_update", optimizers=[optimizer])
+    assert args.per_device_train_batch_size == 2 and shrink.reductions == 1
+    assert torch.equal(grad, torch.full((3,), data.sum().item()))  # each sample counted once
+    args.per_device_train_batch_size = 1
+    with pytest.raises(torch.OutOfMemoryError):  # nothing left to halve: the error goes through
+        MicroBatchShrinker(args, True, rows=8).retry(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError()), "x")
+
+
+def test_auto_reduce_is_one_process_only():
+    import train_grpo
+    from utils.cli import UsageError, parse_args
+
+    args, explicit = parse_args(train_grpo.Args, ["--auto_reduce_micro_batch", "--prompts_per_step", "4"])
+    with pytest.raises(UsageError, match="needs one process"):
+        train_grpo.check_args(args, 2, explicit)

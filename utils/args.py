@@ -39,6 +39,7 @@ class SharedArgs:
     log_memory_every: int = field(default=0, metadata={"help": "Print each role's GPU/CPU bytes (weights, gradients, optimizer state) and the phase peaks every N steps and at the end; 0: never."})
     memory_report: Optional[str] = field(default=None, metadata={"help": "Folder for memory.json, memory_timeline.png (phase peaks across steps) and memory_breakdown.png (roles x weights/gradients/optimizer, phases' transient memory), written at the end."})
     memory_snapshot: Optional[str] = field(default=None, metadata={"help": "Record the CUDA allocator over the first step and write this pickle (open it at pytorch.org/memory_viz); GPU only."})
+    auto_reduce_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch (or token budget, or generation batch) and redo that pass exactly; kept for later steps; one process."})
     plan: bool = field(default=False, metadata={"help": "Print the memory planner's estimate (per role, component and phase) and the cheapest flags that fit (utils/plan.py), then exit; nothing loads."})
     auto_memory: bool = field(default=False, metadata={"help": "Apply the memory planner's flags, then train."})
     gpu_memory: Optional[str] = field(default=None, metadata={"help": "GPU memory to plan for with --plan / --auto_memory, e.g. 80GiB; default: this process's GPU."})
@@ -177,6 +178,9 @@ def check_memory_args(args, num_processes=1):
     if args.memory_snapshot and not torch_cuda_available():
         raise UsageError("--memory_snapshot records the CUDA allocator; no CUDA GPU is visible (use --memory_report "
                          "for the per-phase and per-role report)")
+    if args.auto_reduce_micro_batch and num_processes > 1:
+        raise UsageError(f"--auto_reduce_micro_batch needs one process: with {num_processes}, an out-of-memory error "
+                         "on one rank would leave the others waiting in a collective")
     if args.param_offload and num_processes > 1:
         raise UsageError(f"--param_offload keeps trained weights on the CPU, which DDP cannot wrap; it needs one process "
                          f"(got {num_processes})")

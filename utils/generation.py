@@ -30,6 +30,7 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
     (no EOS within max_new_tokens), all on the device of `prompt_ids`."""
+    from utils.memory import fake_oom_check
     from utils.offload import resident
 
     device = model_input_device(model)
@@ -46,6 +47,7 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
         with resident(model):  # --param_offload: one GPU copy of the offloaded weights for the whole phase
             for start in range(0, prompt_ids.shape[0], batch_size):
                 rows = slice(start, start + batch_size)
+                fake_oom_check(prompt_ids[rows].shape[0])
                 sequences = model.generate(input_ids=prompt_ids[rows].to(device),
                                            attention_mask=prompt_mask[rows].to(device),
                                            generation_config=generation_config)

@@ -352,3 +352,68 @@ def best_levers(args, algo, num_processes=1, count=3):
     if not args.use_lora:
         gains.append((0, "--use_lora (with --load_in_4bit for QLoRA): train adapters instead of all weights"))
     return [line for _, line in sorted(gains, key=lambda g: -g[0])[:count]]
+
+
+# ----------------------------------------------------------------------------------------------
+# --auto_reduce_micro_batch
+
+
+def fake_oom_check(rows):
+    """Testing aid: LEAN_RL_FAKE_OOM_ROWS=N makes every forward over more than N rows run out of
+    memory, as a too-large micro-batch would."""
+    limit = os.environ.get("LEAN_RL_FAKE_OOM_ROWS")
+    if limit and rows > int(limit):
+        raise torch.OutOfMemoryError(f"(injected by LEAN_RL_FAKE_OOM_ROWS={limit}: {rows} rows)")
+
+
+class MicroBatchShrinker:
+    """--auto_reduce_micro_batch: a pass that runs out of memory is redone with half the
+    micro-batch (--per_device_train_batch_size, or --max_token_len_per_gpu with --use_dynamic_bsz;
+    for generation, --generation_batch_size), down to one sequence; the smaller size stays for
+    later steps. The caller's pass starts from scratch (gradients zeroed first), so no sample is
+    lost or counted twice and the accumulated gradient is exact."""
+
+    def __init__(self, args, enabled, rows):
+        self.args, self.enabled, self.rows = args, enabled, rows
+        self.reductions = 0
+
+    def _can_shrink(self, kind):
+        a = self.args
+        if kind == "generation":
+            return (a.generation_batch_size or self.rows) > 1
+        if a.use_dynamic_bsz:
+            return a.max_token_len_per_gpu > a.max_prompt_length + a.max_completion_length
+        return a.per_device_train_batch_size > 1
+
+    def _shrink(self, kind, phase):
+        import warnings
+
+        a = self.args
+        if kind == "generation":
+            flag, value = "generation_batch_size", max((a.generation_batch_size or self.rows) // 2, 1)
+        elif a.use_dynamic_bsz:
+            flag = "max_token_len_per_gpu"
+            value = max(a.max_token_len_per_gpu // 2, a.max_prompt_length + a.max_completion_length)
+        else:
+            flag, value = "per_device_train_batch_size", a.per_device_train_batch_size // 2
+        setattr(a, flag, value)
+        self.reductions += 1
+        warnings.warn(f"out of memory in {phase}: retrying with --{flag} {value} (kept for the rest of the run)")
+
+    def retry(self, fn, phase, kind="micro_batch", optimizers=()):
+        """fn() until it runs without an out-of-memory error, shrinking between tries."""
+        while True:
+            try:
+                return fn()
+            except torch.OutOfMemoryError:
+                if not (self.enabled and self._can_shrink(kind)):
+                    raise
+            # out of the except block: the failed try's tensors are released with its frames
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._shrink(kind, phase)
