@@ -242,8 +242,8 @@ def main(argv=None):
             enable_activation_offload(model)
     if args.use_lora:
         model = apply_lora(model, **lora_kwargs(args))
-    model = place_model(model, placements["actor"]).train()  # from_pretrained returns eval mode, where
-    # transformers skips gradient checkpointing
+    # train mode: from_pretrained returns eval mode, where transformers skips gradient checkpointing
+    model = place_model(model, placements["actor"]).train()
     if args.param_offload:
         ParamOffload(model, args.offload_policy, home)
     table = [("actor", placements["actor"], True)]
@@ -283,9 +283,9 @@ def main(argv=None):
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
     timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
-    tracker = MemoryTracker({name: role for name, role in {"actor": (model, optimizer), "ref": (ref_model, None),
-                             "reward": (reward_model and reward_model.model, None)}.items()
-                             if role[0] is not None}, args.log_memory_every, args.memory_report)
+    roles = {"actor": (model, optimizer), "ref": (ref_model, None),
+             "reward": (reward_model and reward_model.model, None)}
+    tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report)  # where each role's bytes are
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
     oom = OOMReport(args, "grpo", timer, tracker, num_processes)  # explains an out-of-memory error, if one ends the run
     shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_completions)  # OOM: halve and redo a pass

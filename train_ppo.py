@@ -292,8 +292,9 @@ def main(argv=None):
                 enable_activation_offload(model)
     if args.use_lora:
         actor = apply_lora(actor, **lora_kwargs(args))
-    actor = place_model(actor, placements["actor"]).train()  # from_pretrained returns eval mode, where
-    critic = place_model(critic, placements["critic"]).train()  # transformers skips gradient checkpointing
+    # train mode: from_pretrained returns eval mode, where transformers skips gradient checkpointing
+    actor = place_model(actor, placements["actor"]).train()
+    critic = place_model(critic, placements["critic"]).train()
     if args.param_offload:
         ParamOffload(actor, args.offload_policy, placements["actor"].device)
         ParamOffload(critic, args.offload_policy, placements["critic"].device, strict=False)
@@ -339,9 +340,9 @@ def main(argv=None):
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
     timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
-    tracker = MemoryTracker({name: role for name, role in {"actor": (actor, actor_optimizer), "critic": (critic, critic_optimizer),
-                             "ref": (ref_model, None), "reward": (reward_model and reward_model.model, None)}.items()
-                             if role[0] is not None}, args.log_memory_every, args.memory_report)
+    roles = {"actor": (actor, actor_optimizer), "critic": (critic, critic_optimizer), "ref": (ref_model, None),
+             "reward": (reward_model and reward_model.model, None)}
+    tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report)  # where each role's bytes are
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
     oom = OOMReport(args, "ppo", timer, tracker, num_processes)  # explains an out-of-memory error, if one ends the run
     shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_size)  # OOM: halve and redo a pass

@@ -132,7 +132,7 @@ class MemoryTracker:
     report_dir): nothing is computed."""
 
     def __init__(self, roles, every=0, report_dir=None):
-        self.roles = roles  # name -> (model, optimizer or None)
+        self.roles = {name: role for name, role in roles.items() if role[0] is not None}  # -> (model, optimizer)
         self.every, self.report_dir = every, report_dir
         self.timeline = []  # {"step", phase -> {"allocated", "reserved"} GiB, "host_rss"}
         self.enabled = bool(every or report_dir)
