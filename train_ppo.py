@@ -219,7 +219,7 @@ def main(argv=None):
 
     from utils import data as data_utils
     from utils import rewards as reward_utils
-    from utils.checkpoint import Checkpointer, resolve_resume, save_pretrained_atomic
+    from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
@@ -342,7 +342,7 @@ def main(argv=None):
     timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
     roles = {"actor": (actor, actor_optimizer), "critic": (critic, critic_optimizer), "ref": (ref_model, None),
              "reward": (reward_model and reward_model.model, None)}
-    tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report)  # where each role's bytes are
+    tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report, is_main)  # where each role's bytes are
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
     oom = OOMReport(args, "ppo", timer, tracker, num_processes)  # explains an out-of-memory error, if one ends the run
     shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_size)  # OOM: halve and redo a pass
@@ -538,9 +538,7 @@ def main(argv=None):
                 tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} (score {scores[0].item():.3f})")
 
         snapshot.end()
-        table = tracker.after_step(step + 1, timer.metrics)  # --log_memory_every
-        if table and is_main:
-            tqdm.write(table)
+        tracker.after_step(step + 1, timer.metrics)  # --log_memory_every: the per-role table
 
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)
         trainer_state = {"total_skipped": guard.total, "kl_coef": kl_coef}
@@ -552,16 +550,13 @@ def main(argv=None):
     # ---- 4. the end: last checkpoint, final actor, replicas checked -----------------------------------
     progress.close()
     checkpointer.save(args.max_steps, {"total_skipped": guard.total, "kl_coef": kl_coef})
-    final_dir = os.path.join(args.output_dir, "final")
-    if args.save_strategy != "no":
-        save_pretrained_atomic(accelerator, actor, tokenizer, final_dir)
+    final_dir = checkpointer.save_model(actor, tokenizer)  # None with --save_strategy no
     check_replicas_in_sync(accelerator, actor)
     if is_main and score_history:
-        print(first_last_line(score_history, final_dir if args.save_strategy != "no" else None), flush=True)
+        print(first_last_line(score_history, final_dir), flush=True)
     if torch.cuda.is_available():
         print(f"[rank {rank}] peak GPU memory allocated: {gpu_peaks_line(timer)}", flush=True)
-    if tracker.enabled and is_main:
-        print(tracker.table() + "".join(f"\nwrote {path}" for path in tracker.write()), flush=True)
+    tracker.finish()  # the last table, and --memory_report's files
     logger.close()
 
 

@@ -165,6 +165,15 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         return {}
 
+    def save_model(self, model, tokenizer):
+        """The final model as output_dir/final (from_pretrained-loadable); returns its path, or None
+        when saving is off."""
+        if not self.enabled:
+            return None
+        path = os.path.join(self.output_dir, "final")
+        save_pretrained_atomic(self.accelerator, model, tokenizer, path)
+        return path
+
     def save(self, step, trainer_state):
         if not self.enabled:
             return None

@@ -2,6 +2,7 @@
 
 import torch
 
+from utils.memory import fake_oom_check
 from utils.placement import model_input_device
 
 
@@ -30,7 +31,6 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
     (no EOS within max_new_tokens), all on the device of `prompt_ids`."""
-    from utils.memory import fake_oom_check
     from utils.offload import resident
 
     device = model_input_device(model)

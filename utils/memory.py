@@ -95,15 +95,6 @@ def human_bytes(n) -> str:
     return f"{n} B"
 
 
-def _state_tensors(optimizer):
-    for state in optimizer.state.values():
-        for value in state.values():
-            if hasattr(value, "__tensor_flatten__"):  # torchao's quantised states: their real buffers
-                yield from (getattr(value, name) for name in value.__tensor_flatten__()[0])
-            elif isinstance(value, torch.Tensor):
-                yield value
-
-
 def role_memory(model, optimizer=None) -> dict:
     """Bytes of a role's weights, gradients (as allocated in an update: one per trainable weight,
     same dtype and device) and optimizer state, each split into gpu and cpu. Weights on `meta`
@@ -121,7 +112,9 @@ def role_memory(model, optimizer=None) -> dict:
         if param.requires_grad:
             out[f"gradients_{where}"] += size
     if optimizer is not None:
-        for tensor in _state_tensors(optimizer):
+        from utils.optim import state_tensors
+
+        for tensor in state_tensors(optimizer):
             out["optimizer_" + ("gpu" if tensor.is_cuda else "cpu")] += tensor.numel() * tensor.element_size()
     return out
 
@@ -131,13 +124,14 @@ class MemoryTracker:
     `every` steps, and memory.json + two plots in `report_dir` at the end. Off (every=0, no
     report_dir): nothing is computed."""
 
-    def __init__(self, roles, every=0, report_dir=None):
+    def __init__(self, roles, every=0, report_dir=None, is_main=True):
         self.roles = {name: role for name, role in roles.items() if role[0] is not None}  # -> (model, optimizer)
-        self.every, self.report_dir = every, report_dir
+        self.every, self.report_dir, self.is_main = every, report_dir, is_main
         self.timeline = []  # {"step", phase -> {"allocated", "reserved"} GiB, "host_rss"}
         self.enabled = bool(every or report_dir)
 
     def after_step(self, step, phase_metrics):
+        """Record the step; every `every` steps return the table (printed on the main process)."""
         if not self.enabled:
             return None
         row = {"step": step, "host_peak_rss_gib": host_peak_rss_gib()}
@@ -147,8 +141,18 @@ class MemoryTracker:
                 row.setdefault(phase, {})[kind.replace("peak_", "").replace("_gib", "")] = value
         self.timeline.append(row)
         if self.every and step % self.every == 0:
-            return self.table()
+            table = self.table()
+            if self.is_main:
+                from tqdm.auto import tqdm
+
+                tqdm.write(table)
+            return table
         return None
+
+    def finish(self):
+        """At the end of the run, on the main process: the last table, and the report files."""
+        if self.enabled and self.is_main:
+            print(self.table() + "".join(f"\nwrote {path}" for path in self.write()), flush=True)
 
     def roles_now(self):
         return {name: role_memory(model, optimizer) for name, (model, optimizer) in self.roles.items()}

@@ -3,6 +3,7 @@ masked reductions. Stateless."""
 
 import torch
 
+from utils.memory import fake_oom_check
 from utils.placement import model_input_device
 
 
@@ -35,8 +36,6 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
     recomputed in backward). Returns logprobs [B, C] and entropy [B, C] (or None), on the device
     `input_ids` came from, wherever the model is placed.
     """
-    from utils.memory import fake_oom_check
-
     fake_oom_check(input_ids.shape[0])
     home = input_ids.device
     device = model_input_device(model)
@@ -158,8 +157,6 @@ def completion_values(value_model, input_ids, attention_mask, num_completion_tok
 
     value_model: utils.modeling.ValueModel (possibly DDP-wrapped). Returns [B, C] float32 on the
     device `input_ids` came from."""
-    from utils.memory import fake_oom_check
-
     fake_oom_check(input_ids.shape[0])
     home = input_ids.device
     device = model_input_device(value_model)

@@ -52,17 +52,20 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch",
     raise ValueError(f"unknown optimizer {optim}; expected one of {OPTIMIZERS}")
 
 
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes held by the optimizer's state tensors (moments, quantisation scales)."""
-    total = 0
+def state_tensors(optimizer):
+    """The tensors that hold the optimizer's state (moments, step counts, quantisation scales);
+    for torchao's quantised state subclasses, their real buffers."""
     for state in optimizer.state.values():
         for value in state.values():
-            if hasattr(value, "__tensor_flatten__"):  # torchao's quantised subclasses: their real buffers
-                names, _ = value.__tensor_flatten__()
-                total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in names)
+            if hasattr(value, "__tensor_flatten__"):
+                yield from (getattr(value, name) for name in value.__tensor_flatten__()[0])
             elif isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
+                yield value
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes held by the optimizer's state tensors."""
+    return sum(t.numel() * t.element_size() for t in state_tensors(optimizer))
 
 
 def build_scheduler(optimizer, name, num_training_steps, warmup_steps):
