@@ -178,6 +178,13 @@ def check_memory_args(args, num_processes=1):
     if args.memory_snapshot and not torch_cuda_available():
         raise UsageError("--memory_snapshot records the CUDA allocator; no CUDA GPU is visible (use --memory_report "
                          "for the per-phase and per-role report)")
+    if args.gpu_memory is not None:
+        from utils.plan import parse_memory
+
+        try:
+            parse_memory(args.gpu_memory)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.auto_reduce_micro_batch and num_processes > 1:
         raise UsageError(f"--auto_reduce_micro_batch needs one process: with {num_processes}, an out-of-memory error "
                          "on one rank would leave the others waiting in a collective")
