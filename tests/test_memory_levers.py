@@ -215,6 +215,12 @@ def test_param_offload_resolves_names_and_keeps_the_math():
         torch.testing.assert_close(outs[1][1][name], outs[0][1][name])
     with pytest.raises(UsageError, match="no such module"):
         resolve_offload_modules(base, "embedding,nonexistent")
+    # the toy model ties its LM head to the embedding, as Qwen2.5-1.5B does: the head leaves the GPU with it
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    assert [n for n, _ in resolve_offload_modules(base, "embedding")] == ["embedding", "lm_head (tied)"]
+    untied = copy.deepcopy(base)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert [n for n, _ in resolve_offload_modules(untied, "embedding")] == ["embedding"]
     with pytest.raises(UsageError, match="only plain Linear and Embedding"):
         resolve_offload_modules(base, "layers.0.mlp")
 

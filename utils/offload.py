@@ -188,7 +188,7 @@ class ParamOffload:
             self.cache = None
 
     def describe(self) -> str:
-        count = sum(p.numel() for _, m in self.modules for p in m.parameters(recurse=False))
+        count = sum({id(p): p.numel() for _, m in self.modules for p in m.parameters(recurse=False)}.values())
         return f"{', '.join(n for n, _ in self.modules)} ({count / 1e6:.1f}M parameters) in CPU memory"
 
 
@@ -241,6 +241,14 @@ def resolve_offload_modules(model, policy: str, strict=True):
             if id(module) not in seen:
                 seen.add(id(module))
                 found.append((entry, module))
+    # a tied weight (Qwen2.5-1.5B's lm_head shares the embedding's) leaves the GPU with the module named, so every
+    # module using it must fetch it too
+    moved = {id(p) for _, m in found for p in m.parameters(recurse=False)}
+    for name, module in named.items():
+        if (id(module) not in seen and isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+                and any(id(p) in moved for p in module.parameters(recurse=False))):
+            seen.add(id(module))
+            found.append((f"{name} (tied)", module))
     return found
 
 
