@@ -199,23 +199,27 @@ def _plt():
 
 
 def plot_timeline(timeline, path):
-    """Peak allocated (solid) and reserved (dashed) GiB of each phase, across steps."""
+    """The run as it happened: each step's phases in order along x, their peak allocated and
+    reserved GiB as bars, with the phase's name under each bar and a line between steps."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4))
-    phases = sorted({p for row in timeline for p, v in row.items() if isinstance(v, dict)})
-    for i, phase in enumerate(phases):
-        steps = [row["step"] for row in timeline if phase in row]
-        color = f"C{i}"
-        ax.plot(steps, [row[phase].get("allocated", 0) for row in timeline if phase in row], "-o", color=color,
-                label=phase, markersize=3)
-        ax.plot(steps, [row[phase].get("reserved", 0) for row in timeline if phase in row], "--", color=color)
-    if not phases:
+    points = [(row["step"], phase, v) for row in timeline for phase, v in row.items() if isinstance(v, dict)]
+    fig, ax = plt.subplots(figsize=(max(6, min(18, 0.45 * len(points) + 2)), 4.2))
+    if points:
+        x = range(len(points))
+        ax.bar(x, [v.get("reserved", 0) for _, _, v in points], color="C0", alpha=0.35, label="peak reserved")
+        ax.bar(x, [v.get("allocated", 0) for _, _, v in points], color="C0", width=0.5, label="peak allocated")
+        ax.set_xticks(list(x), [phase for _, phase, _ in points], rotation=60, ha="right", fontsize=7)
+        for i in range(1, len(points)):
+            if points[i][0] != points[i - 1][0]:
+                ax.axvline(i - 0.5, color="grey", lw=0.8, ls=":")
+        for i, (step, _, _) in enumerate(points):
+            if i == 0 or points[i - 1][0] != step:
+                ax.text(i - 0.4, ax.get_ylim()[1] * 0.97, f"step {step}", fontsize=8, va="top")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
         ax.text(0.5, 0.5, "no GPU: no device memory recorded", ha="center", transform=ax.transAxes)
-    ax.set_xlabel("step")
-    ax.set_ylabel("GiB (solid: peak allocated, dashed: peak reserved)")
-    ax.set_title("GPU memory per phase")
-    if phases:
-        ax.legend(fontsize=8)
+    ax.set_ylabel("GiB")
+    ax.set_title("GPU memory over the run, phase by phase")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
