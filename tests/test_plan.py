@@ -6,7 +6,7 @@ import pytest
 import train_grpo
 from utils import toy
 from utils.cli import UsageError, parse_args
-from utils.plan import (GIB, MEASURED, SHAPES, WORKLOAD_GRPO, Shape, apply_flags, estimate, load_shape,
+from utils.plan import (GIB, HELD_OUT, MEASURED, SHAPES, WORKLOAD_GRPO, Shape, apply_flags, estimate, load_shape,
                         parse_memory, plan, script_args)
 
 
@@ -46,7 +46,8 @@ def test_estimate_against_a_hand_calculation_for_the_tiny_model():
     assert est["phases"]["actor_update"] == update == est["peak_allocated"]
 
 
-@pytest.mark.parametrize("shape, flags, measured", MEASURED, ids=[f"{s}-{i}" for i, (s, _, _) in enumerate(MEASURED)])
+@pytest.mark.parametrize("shape, flags, measured", MEASURED + HELD_OUT,
+                         ids=[f"{s}-{i}" for i, (s, _, _) in enumerate(MEASURED + HELD_OUT)])
 def test_estimates_within_15_percent_of_the_h200_runs(shape, flags, measured):
     est = estimate(load_shape(shape), script_args("grpo", WORKLOAD_GRPO + flags))["peak_reserved"] / GIB
     assert abs(est / measured - 1) <= 0.15, (est, measured)

@@ -337,6 +337,19 @@ MEASURED += [
     ("qwen2.5-7b", _TARGET_FLAGS + "--use_lora --torch_dtype bfloat16 --generation_batch_size 32 --param_offload "
      "--offload_policy embedding,lm_head".split(), 18.28),
 ]
+# measured later the same day, after the `fitted` coefficients were set (held out, not used for fitting)
+HELD_OUT = [
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu 4096 "
+     "--logprob_chunk_size 256 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload --empty_cache_between_phases "
+     "--generation_batch_size 64 --param_offload --offload_policy embedding".split(), 9.00),
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit "
+     "--logprob_chunk_size 1024".split(), 16.44),
+    ("qwen2.5-1.5b", _TARGET_FLAGS + "--optim adamw_4bit --torch_dtype bfloat16 --ref_offload "
+     "--generation_batch_size 32".split(), 13.76),
+    ("qwen2.5-1.5b", ["--empty_cache_between_phases"], 58.50),
+    ("qwen2.5-1.5b", ["--use_lora"], 37.57),
+    ("qwen2.5-1.5b", "--param_offload --offload_policy embedding,lm_head".split(), 55.88),
+]
 WORKLOAD_GRPO = ["--prompts_per_step", "16", "--num_generations", "8", "--max_prompt_length", "256",
                  "--max_completion_length", "512", "--beta", "0.04", "--model_name_or_path", "x"]
 
@@ -371,10 +384,13 @@ def main(argv=None):
     parser.add_argument("--workload", action="store_true", help="use W-GRPO's batch and lengths (workloads.md)")
     opts = parser.parse_args(argv)
     if opts.measured:
-        print(f"{'shape':<14}{'estimated GiB':>14}{'measured GiB':>14}{'error':>8}  flags")
-        for shape_name, flags, measured in MEASURED:
-            est = estimate(load_shape(shape_name), script_args("grpo", WORKLOAD_GRPO + flags))["peak_reserved"] / GIB
-            print(f"{shape_name:<14}{est:>14.2f}{measured:>14.2f}{(est / measured - 1):>+8.0%}  {' '.join(flags)}")
+        print(f"{'shape':<14}{'estimated GiB':>14}{'measured GiB':>14}{'error':>8}  {'set':<9}flags")
+        for rows, kind in ((MEASURED, "fit"), (HELD_OUT, "held out")):
+            for shape_name, flags, measured in rows:
+                est = estimate(load_shape(shape_name), script_args("grpo", WORKLOAD_GRPO + flags))["peak_reserved"]
+                est /= GIB
+                print(f"{shape_name:<14}{est:>14.2f}{measured:>14.2f}{(est / measured - 1):>+8.0%}  {kind:<9}"
+                      f"{' '.join(flags)}")
         return
     base = (WORKLOAD_GRPO if opts.workload else []) + script_argv
     base = base if any(a == "--model_name_or_path" for a in base) else base + ["--model_name_or_path", opts.model]
