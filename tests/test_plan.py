@@ -101,3 +101,35 @@ def test_auto_memory_applies_the_plan(run, tmp_path):
                   "--output_dir", str(tmp_path)])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "plan: --logprob_chunk_size 1024 --use_gradient_checkpointing" in result.stdout
+
+
+def test_placement_moves_frozen_roles_and_the_critic_to_other_gpus_first():
+    shape = load_shape("qwen2.5-7b")
+    args = _workload()
+    # by hand: the bf16 reference (7.62B x 2 bytes) leaves the first GPU's every phase
+    moved = apply_flags(args, ["--ref_device", "cuda:1"])
+    before, after = estimate(shape, args), estimate(shape, moved)
+    assert before["phases"]["actor_update"] - after["phases"]["actor_update"] == shape.params * 2
+    assert after["other_gpus"]["cuda:1"] > shape.params * 2 and before["other_gpus"] == {}
+    added, reasons, final = plan(shape, args, "grpo", parse_memory("80GiB"), parse=lambda f: apply_flags(args, f),
+                                 gpus_per_process=2)
+    assert added[:2] == ["--ref_device", "cuda:1"] and "GPU of their own" in reasons[0]
+    assert final["peak_reserved"] <= 0.9 * 80 * GIB
+    alone, _, _ = plan(shape, args, "grpo", parse_memory("80GiB"), parse=lambda f: apply_flags(args, f))
+    assert "--ref_device" not in alone  # one GPU: nowhere to put it
+    lora = _workload(["--use_lora"])
+    added, _, _ = plan(shape, lora, "grpo", parse_memory("16GiB"), parse=lambda f: apply_flags(lora, f),
+                       gpus_per_process=2)
+    assert "--ref_device" not in added  # with LoRA the reference is the policy itself
+
+    # PPO with a reward model: the critic first, then the reference, then the reward model
+    ppo = script_args("ppo", ["--prompts_per_step", "16", "--max_prompt_length", "256", "--max_completion_length",
+                              "512", "--model_name_or_path", "x", "--reward_model_name_or_path", "r"])
+    base = estimate(shape, ppo, "ppo")
+    no_reward = estimate(shape, apply_flags(ppo, ["--reward_model_name_or_path", ""]), "ppo")
+    # by hand: the reward model is the policy's body in bf16 (untied 7b: without the LM head)
+    assert base["phases"]["generate"] - no_reward["phases"]["generate"] == (shape.params - shape.embedding_params) * 2
+    added, reasons, final = plan(shape, ppo, "ppo", parse_memory("40GiB"), parse=lambda f: apply_flags(ppo, f),
+                                 gpus_per_process=4)
+    assert added[:6] == ["--critic_device", "cuda:1", "--ref_device", "cuda:2", "--reward_device", "cuda:3"]
+    assert set(final["other_gpus"]) == {"cuda:1", "cuda:2", "cuda:3"} and "critic_update" not in final["phases"]

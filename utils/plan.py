@@ -106,8 +106,15 @@ def _optimizer_bytes_per_param(optim, weight_bytes):
     return {"adamw_8bit": 2.03, "paged_adamw_8bit": 2.03, "adamw_4bit": 1.06}[optim]  # measured, with scales
 
 
+def _other_gpu(device) -> bool:
+    """A role placed on a GPU other than the process's first (cuda:0 in the planner's terms)."""
+    return bool(device) and device.startswith("cuda:") and device != "cuda:0"
+
+
 def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
-    """Bytes per component and per phase for one process. `args`: the script's Args (flags)."""
+    """Bytes per component and per phase for one process. `args`: the script's Args (flags).
+    Roles placed on another GPU (`--ref_device cuda:1`, `--critic_device cuda:1`) are left out of the
+    phases (the first GPU's) and counted in `other_gpus`: {device: peak allocated bytes}."""
     P, C = args.max_prompt_length, args.max_completion_length
     T = P + C
     if algo == "grpo":
@@ -150,6 +157,15 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         elif args.ref_device in (None, "cuda", "cuda:0"):
             ref = (shape.linear_params * quant + (shape.params - shape.linear_params) * 2) if quant else shape.params * 2
     comp["ref/weights"] = ref
+    # a reward model (W-PPO: a sequence classifier of the policy's shape; its head is one number)
+    reward_state = 0
+    if args.reward_model_name_or_path:
+        body = shape.params - (0 if shape.tied else shape.embedding_params)
+        reward_state = (shape.linear_params * quant + (body - shape.linear_params) * 2) if quant else body * 2
+    reward_elsewhere = bool(reward_state) and _other_gpu(args.reward_device)
+    comp["reward/weights"] = (0 if not reward_state or args.reward_device == "cpu" or reward_elsewhere else
+                              max(shape.embedding_params, shape.linear_params // shape.layers) * 2
+                              if args.reward_device == "offload" else reward_state)
     kv_bytes_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
     comp["generate/kv_cache"] = gen_rows * T * kv_bytes_per_token
     comp["generate/prefill"] = gen_rows * P * shape.hidden * PREFILL_BYTES + gen_rows * shape.vocab * 8
@@ -172,22 +188,38 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         comp["update/logits"] += 2 * shape.vocab * shape.hidden * train_bytes
     comp["ref/logits"] = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD + layer_act // 2
 
-    static = sum(comp[f"{r}/weights"] + comp[f"{r}/optimizer"] for r in roles) + comp["ref/weights"]
-    grads = sum(comp[f"{r}/gradients"] for r in roles)
+    other = {}  # another GPU -> its peak: the role's state plus its own pass
+    if reward_elsewhere:
+        other[args.reward_device] = reward_state + comp["ref/logits"] // 4  # no LM head: hidden states only
+    ref_elsewhere = _other_gpu(args.ref_device) and uses_ref and not args.use_lora
+    if ref_elsewhere:
+        ref_state = (shape.linear_params * quant + (shape.params - shape.linear_params) * 2) if quant else shape.params * 2
+        other[args.ref_device] = other.get(args.ref_device, 0) + ref_state + comp["ref/logits"]
+    critic_elsewhere = algo == "ppo" and _other_gpu(getattr(args, "critic_device", None))
+    here = [r for r in roles if not (r == "critic" and critic_elsewhere)]
+    if critic_elsewhere:
+        other[args.critic_device] = other.get(args.critic_device, 0) + sum(
+            comp[f"critic/{k}"] for k in ("weights", "gradients", "optimizer")) + comp["update/activations"] \
+            + positions * shape.hidden * 4
+    static = sum(comp[f"{r}/weights"] + comp[f"{r}/optimizer"] for r in here) + comp["ref/weights"] \
+        + comp["reward/weights"]
+    grads = sum(comp[f"{r}/gradients"] for r in here)
     casts = comp["actor/autocast_copies"]
     phases = {
         "generate": static + comp["generate/kv_cache"] + comp["generate/prefill"] + casts,
-        "ref": static + comp["ref/logits"] + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
+        "ref": static + (0 if ref_elsewhere else comp["ref/logits"])
+        + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
         "actor_update": static + grads + max(casts + comp["update/activations"],
                                              comp["update/activations"] + comp["update/logits"]),
     }
-    if algo == "ppo":
+    if algo == "ppo" and not critic_elsewhere:
         phases["critic_update"] = static + grads + comp["update/activations"] + positions * shape.hidden * 4
     peak_allocated = max(phases.values())
-    return dict(components=comp, phases=phases, peak_allocated=peak_allocated,
+    return dict(components=comp, phases=phases, peak_allocated=peak_allocated, other_gpus=other,
                 peak_reserved=peak_allocated * (1 + RESERVED_SLACK),
                 host_bytes=offloaded * (train_bytes * 2 + _optimizer_bytes_per_param(args.optim, train_bytes))
-                + (shape.params * 2 if args.ref_device == "offload" else 0),
+                + (shape.params * 2 if args.ref_device == "offload" else 0)
+                + (reward_state if args.reward_device in ("offload", "cpu") else 0),
                 tokens_per_micro_batch=tokens, rows=rows)
 
 
@@ -213,13 +245,34 @@ LEVERS = [
 ]
 
 
-def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None):
-    """Add levers (cheapest first, in passes until none helps) until the estimated peak reserved
-    fits in 90% of gpu_bytes; a later choice of the same flag (--optim) replaces the earlier.
+def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_process=1):
+    """Placement, then levers: with more than one GPU per process, the frozen reference (and the
+    PPO critic) go to GPUs of their own first, as they cost no time and change no math; then levers
+    are added (cheapest first, in passes until none helps) until the estimated peak reserved fits in
+    90% of gpu_bytes; a later choice of the same flag (--optim) replaces the earlier.
     `parse(extra flags) -> args`. Returns (flags added, lines of reasoning, final estimate)."""
     headroom = 0.9 * gpu_bytes
     chosen, reasons = {}, []  # first flag -> the flags that set it
     current = estimate(shape, args, algo, num_processes)
+    free_gpus = [f"cuda:{i}" for i in range(1, gpus_per_process)]
+    movable = [("critic", "the critic's weights, gradients, optimizer state and update")] if algo == "ppo" else []
+    movable.append(("ref", "the reference's weights and its logprob pass"))
+    if args.reward_model_name_or_path:
+        movable.append(("reward", "the reward model's weights and its scoring pass"))
+    for role, what in movable:
+        if current["peak_reserved"] <= headroom or not free_gpus:
+            break
+        if getattr(args, f"{role}_device", None) is not None or (role == "ref" and args.use_lora):
+            continue  # placed by the user, or (LoRA) the reference is the policy itself
+        flags = [f"--{role}_device", free_gpus.pop(0)]
+        trial_flags = {**chosen, flags[0]: flags}
+        trial = parse([f for group in trial_flags.values() for f in group])
+        after = estimate(shape, trial, algo, num_processes)
+        if after["peak_reserved"] < current["peak_reserved"]:
+            there = after["other_gpus"][flags[1]] * (1 + RESERVED_SLACK)
+            reasons.append(f"{' '.join(flags)}: {what} on a GPU of their own ({there / GIB:.1f} GiB there): "
+                           f"{current['peak_reserved'] / GIB:.1f} -> {after['peak_reserved'] / GIB:.1f} GiB here")
+            chosen, args, current = trial_flags, trial, after
     progress = True
     while current["peak_reserved"] > headroom and progress:
         progress = False
@@ -239,6 +292,9 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None):
         reasons.append(f"still {current['peak_reserved'] / GIB:.1f} GiB > {headroom / GIB:.1f} GiB (90% of the GPU): "
                        + ("use --use_lora (with --load_in_4bit for QLoRA), " if not args.use_lora else "")
                        + "more GPUs (accelerate launch, DeepSpeed/FSDP configs), or a smaller batch")
+    for device, used in current["other_gpus"].items():
+        if used * (1 + RESERVED_SLACK) > headroom:
+            reasons.append(f"{device} would need {used * (1 + RESERVED_SLACK) / GIB:.1f} GiB, more than 90% of it")
     return [f for group in chosen.values() for f in group], reasons, current
 
 
@@ -280,7 +336,13 @@ def run_planner(args, algo, num_processes, device, is_main=True):
     else:
         raise UsageError("--plan / --auto_memory: no GPU here to plan for; give --gpu_memory (e.g. 80GiB)")
     shape = load_shape(args.model_name_or_path)
-    added, reasons, final = plan(shape, args, algo, gpu_bytes, num_processes, parse=lambda f: apply_flags(args, f))
+    gpus = 1
+    if str(device).startswith("cuda"):
+        import torch
+
+        gpus = max(1, torch.cuda.device_count() // num_processes)  # this process's share, for placement
+    added, reasons, final = plan(shape, args, algo, gpu_bytes, num_processes, parse=lambda f: apply_flags(args, f),
+                                 gpus_per_process=gpus)
     if is_main:
         print(report(shape, estimate(shape, args, algo, num_processes), gpu_bytes))
         print("plan: " + ("fits as it is" if not added else " ".join(added)) + "".join("\n  " + r for r in reasons)
@@ -300,6 +362,8 @@ def report(shape, est, gpu_bytes=None) -> str:
     lines.append(f"peak reserved (estimated): {est['peak_reserved'] / GIB:.2f} GiB"
                  + (f" of {gpu_bytes / GIB:.0f} GiB" if gpu_bytes else "")
                  + f"; host memory for offloading: {est['host_bytes'] / GIB:.1f} GiB")
+    lines += [f"{device}: peak reserved (estimated) {used * (1 + RESERVED_SLACK) / GIB:.2f} GiB (roles placed there)"
+              for device, used in est["other_gpus"].items()]
     return "\n".join(lines)
 
 
@@ -380,6 +444,8 @@ def main(argv=None):
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
     parser.add_argument("--gpu_memory", help="e.g. 80GiB; default: the first visible GPU's")
     parser.add_argument("--num_processes", type=int, default=1)
+    parser.add_argument("--gpus_per_process", type=int, help="GPUs each process may place roles on (--ref_device "
+                        "cuda:1 ...); default: the visible GPUs / --num_processes, 1 without GPUs")
     parser.add_argument("--measured", action="store_true", help="estimate vs the measured H200 runs, and exit")
     parser.add_argument("--workload", action="store_true", help="use W-GRPO's batch and lengths (workloads.md)")
     opts = parser.parse_args(argv)
@@ -404,14 +470,20 @@ def main(argv=None):
         if not torch.cuda.is_available():
             parser.error("no GPU visible: give --gpu_memory (e.g. 80GiB)")
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    gpus = opts.gpus_per_process
+    if gpus is None:
+        import torch
+
+        gpus = max(1, torch.cuda.device_count() // opts.num_processes) if torch.cuda.is_available() else 1
     print(report(shape, estimate(shape, args, opts.algo, opts.num_processes), gpu_bytes))
     added, reasons, final = plan(shape, args, opts.algo, gpu_bytes, opts.num_processes,
-                                 parse=lambda extra: apply_flags(args, extra))
+                                 parse=lambda extra: apply_flags(args, extra), gpus_per_process=gpus)
     print("\nplan:" if added else "\nplan: fits as it is")
     for line in reasons:
         print("  " + line)
     if added:
-        print(f"add: {' '.join(added)}  -> estimated peak reserved {final['peak_reserved'] / GIB:.1f} GiB")
+        print(f"add: {' '.join(added)}  -> estimated peak reserved {final['peak_reserved'] / GIB:.1f} GiB"
+              + "".join(f"; {d}: {u * (1 + RESERVED_SLACK) / GIB:.1f} GiB" for d, u in final["other_gpus"].items()))
 
 
 if __name__ == "__main__":
