@@ -340,7 +340,9 @@ def run_planner(args, algo, num_processes, device, is_main=True):
     if str(device).startswith("cuda"):
         import torch
 
-        gpus = max(1, torch.cuda.device_count() // num_processes)  # this process's share, for placement
+        # placement is planned for one process (cuda:N names one GPU of the machine); several processes share
+        # the GPUs through the launcher instead
+        gpus = torch.cuda.device_count() if num_processes == 1 else 1
     added, reasons, final = plan(shape, args, algo, gpu_bytes, num_processes, parse=lambda f: apply_flags(args, f),
                                  gpus_per_process=gpus)
     if is_main:
