@@ -178,6 +178,8 @@ def main(argv=None):
     from utils import rewards as reward_utils
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args
+    from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
+                               micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
     from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
@@ -203,11 +205,14 @@ def main(argv=None):
     is_main, num_processes, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
     try:
         local_completions = check_args(args, num_processes, explicit)
+        engine = engine_of(accelerator)  # single, ddp, zero2, zero3, fsdp2: from the accelerate config
+        check_engine_args(args, engine)
         if args.plan or args.auto_memory:  # utils/plan.py: estimate memory, print the plan (--plan exits)
             extra = run_planner(args, "grpo", num_processes, accelerator.device, is_main)
             args, explicit = parse_args(Args, list(sys.argv[1:] if argv is None else argv) + extra)
             apply_presets(args, explicit, TOY_PRESET, DEBUG_PRESET)
             local_completions = check_args(args, num_processes, explicit)
+            check_engine_args(args, engine)
         check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
         check_report_to(args.report_to)
         specs, reward_fns, reward_weights = reward_utils.resolve_rewards(
@@ -264,11 +269,16 @@ def main(argv=None):
         reward_fns.append((reward_model.name, reward_model))
         table.append(("reward", placements["reward"], False))
     reward_weights = torch.tensor(reward_weights, device=home)
-    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.optim)
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay, args.optim,
+                                engine_master_weights=engine.startswith("zero"))
     optimizer_steps = args.max_steps * args.num_iterations
     scheduler = build_scheduler(optimizer, args.lr_scheduler_type, optimizer_steps,
                                 args.warmup_steps or int(args.warmup_ratio * optimizer_steps))
+    configure_engine(accelerator, args, engine)  # DeepSpeed: micro-batch size, clipping
     model, optimizer = prepare_trained(accelerator, model, optimizer, placements["actor"])
+    ref_model = prepare_frozen(accelerator, ref_model, engine, mb)  # ZeRO-3: sharded too; else as placed
+    if reward_model is not None:
+        reward_model.model = prepare_frozen(accelerator, reward_model.model, engine, mb)
     accelerator.register_for_checkpointing(scheduler)  # not prepared: it steps once per optimizer step
     unwrapped = accelerator.unwrap_model(model)
     eos_ids = eos_token_ids(tokenizer, unwrapped)
@@ -322,9 +332,10 @@ def main(argv=None):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [b, P]
             prompt_ids = prompt_ids.repeat_interleave(G, 0)  # [B, P], B = b * G
             prompt_mask = prompt_mask.repeat_interleave(G, 0)
-            completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
-                unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids,
-                args.generation_batch_size), "generate", kind="generation")  # [B, C], [B, C], [B]
+            with gathered_for_generation(accelerator, unwrapped, args.gather_for_generation):  # ZeRO-3, FSDP2
+                completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
+                    unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids,
+                    args.generation_batch_size), "generate", kind="generation")  # [B, C], [B, C], [B]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]
@@ -377,7 +388,7 @@ def main(argv=None):
                     plan = make_plan()
                     for i, micro in enumerate(plan):
                         last = i == len(plan) - 1  # all-reduce gradients on the last micro-batch only
-                        with nullcontext() if last else accelerator.no_sync(model):
+                        with micro_batch_sync(accelerator, model, last):
                             logprobs, entropy = completion_logprobs(  # [b, c]
                                 model, micro.window(input_ids), micro.window(attention_mask), micro.c,
                                 args.temperature, entropy=entropy_mode, chunk_size=chunk)
@@ -391,7 +402,7 @@ def main(argv=None):
                             loss = aggregate_loss(per_token, mask, args.loss_type, num_sequences, num_loss_tokens,
                                                   args.max_completion_length)
                             # DDP averages gradients over processes; the loss above is already a global share
-                            accelerator.backward(loss * num_processes)
+                            backward(accelerator, model, loss * num_processes, last)  # DeepSpeed: steps if last
                         step_loss += loss.detach()
                         step_sums += torch.stack([(kl * mask).sum().detach(), (is_clipped * mask).sum(),
                                                   (entropy.detach() * mask).sum(), mask.sum()])
@@ -449,7 +460,8 @@ def main(argv=None):
     progress.close()
     checkpointer.save(args.max_steps, {"total_skipped": guard.total})
     final_dir = checkpointer.save_model(model, tokenizer)  # None with --save_strategy no
-    check_replicas_in_sync(accelerator, model)
+    if replicas_comparable(engine):  # every rank holds the whole model: all must be equal
+        check_replicas_in_sync(accelerator, model)
     if is_main and reward_history:
         print(first_last_line(reward_history, final_dir), flush=True)
     if torch.cuda.is_available():

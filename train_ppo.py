@@ -221,6 +221,8 @@ def main(argv=None):
     from utils import rewards as reward_utils
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args
+    from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
+                               micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
     from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
@@ -247,11 +249,14 @@ def main(argv=None):
     is_main, num_processes, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
     try:
         local_size, mini_size = check_args(args, num_processes, explicit)
+        engine = engine_of(accelerator)  # single, ddp, zero2, zero3, fsdp2: from the accelerate config
+        check_engine_args(args, engine, trained_roles=("actor", "critic"))
         if args.plan or args.auto_memory:  # utils/plan.py: estimate memory, print the plan (--plan exits)
             extra = run_planner(args, "ppo", num_processes, accelerator.device, is_main)
             args, explicit = parse_args(Args, list(sys.argv[1:] if argv is None else argv) + extra)
             apply_presets(args, explicit, TOY_PRESET, DEBUG_PRESET)
             local_size, mini_size = check_args(args, num_processes, explicit)
+            check_engine_args(args, engine, trained_roles=("actor", "critic"))
         check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
         check_report_to(args.report_to)
         specs, reward_fns, reward_weights = reward_utils.resolve_rewards(
@@ -320,12 +325,18 @@ def main(argv=None):
     reward_weights = torch.tensor(reward_weights, device=home)
     optimizer_steps = args.max_steps * args.ppo_epochs * args.num_mini_batches
     warmup = args.warmup_steps or int(args.warmup_ratio * optimizer_steps)
-    actor_optimizer = build_optimizer(actor, args.learning_rate, args.weight_decay, args.optim)
-    critic_optimizer = build_optimizer(critic, args.critic_learning_rate, args.weight_decay, args.optim)
+    master = engine.startswith("zero")  # DeepSpeed keeps fp32 master weights itself
+    actor_optimizer = build_optimizer(actor, args.learning_rate, args.weight_decay, args.optim, engine_master_weights=master)
+    critic_optimizer = build_optimizer(critic, args.critic_learning_rate, args.weight_decay, args.optim,
+                                       engine_master_weights=master)
     actor_scheduler = build_scheduler(actor_optimizer, args.lr_scheduler_type, optimizer_steps, warmup)
     critic_scheduler = build_scheduler(critic_optimizer, args.lr_scheduler_type, optimizer_steps, warmup)
+    configure_engine(accelerator, args, engine)  # DeepSpeed: micro-batch size, clipping
     actor, actor_optimizer = prepare_trained(accelerator, actor, actor_optimizer, placements["actor"])
     critic, critic_optimizer = prepare_trained(accelerator, critic, critic_optimizer, placements["critic"])
+    ref_model = prepare_frozen(accelerator, ref_model, engine, mb)  # ZeRO-3: sharded too; else as placed
+    if reward_model is not None:
+        reward_model.model = prepare_frozen(accelerator, reward_model.model, engine, mb)
     accelerator.register_for_checkpointing(actor_scheduler, critic_scheduler)
     unwrapped_actor, unwrapped_critic = accelerator.unwrap_model(actor), accelerator.unwrap_model(critic)
     eos_ids = sorted(set(eos_token_ids(tokenizer, unwrapped_actor) + stop_ids))
@@ -379,9 +390,10 @@ def main(argv=None):
         # 1. rollout: one completion per prompt, ending at EOS or --stop_token
         with timer.phase("generate"):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [B, P]
-            completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
-                unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
-                args.generation_batch_size), "generate", kind="generation")  # [B, C], [B, C], [B]
+            with gathered_for_generation(accelerator, unwrapped_actor, args.gather_for_generation):  # ZeRO-3, FSDP2
+                completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
+                    unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
+                    args.generation_batch_size), "generate", kind="generation")  # [B, C], [B, C], [B]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]
@@ -451,7 +463,7 @@ def main(argv=None):
                     for i, micro in enumerate(micro_plan):
                         last = i == len(micro_plan) - 1  # all-reduce gradients on the last micro-batch only
                         m_mask = micro.completion(mask)  # [b, c]
-                        with timer.phase("actor_update"), nullcontext() if last else accelerator.no_sync(actor):
+                        with timer.phase("actor_update"), micro_batch_sync(accelerator, actor, last):
                             logprobs, entropy = completion_logprobs(actor, micro.window(input_ids),
                                                                     micro.window(attention_mask), micro.c,
                                                                     args.temperature, entropy=entropy_mode,
@@ -461,14 +473,15 @@ def main(argv=None):
                                                                    args.cliprange, num_tokens)
                             if args.entropy_coef > 0:  # entropy bonus over the mini-batch's tokens
                                 loss = loss - args.entropy_coef * masked_sum(entropy, m_mask) / num_tokens
-                            accelerator.backward(loss * num_processes)  # DDP averages; the loss is a global share
-                        with timer.phase("critic_update"), nullcontext() if last else accelerator.no_sync(critic):
+                            # DDP averages; the loss is a global share. DeepSpeed: the engine steps after the last
+                            backward(accelerator, actor, loss * num_processes, last)
+                        with timer.phase("critic_update"), micro_batch_sync(accelerator, critic, last):
                             values = completion_values(critic, micro.window(input_ids), micro.window(attention_mask),
                                                        micro.c)
                             v_loss, v_clipped = value_loss(values, micro.completion(old_values),
                                                            micro.completion(returns), m_mask, args.cliprange_value,
                                                            num_tokens)
-                            accelerator.backward(args.vf_coef * v_loss * num_processes)
+                            backward(accelerator, critic, args.vf_coef * v_loss * num_processes, last)
                         actor_loss_sum += loss.detach()
                         critic_loss_sum += v_loss.detach()
                         mini_sums += torch.stack([clipped, approx_kl, (entropy.detach() * m_mask).sum(), v_clipped,
@@ -551,7 +564,8 @@ def main(argv=None):
     progress.close()
     checkpointer.save(args.max_steps, {"total_skipped": guard.total, "kl_coef": kl_coef})
     final_dir = checkpointer.save_model(actor, tokenizer)  # None with --save_strategy no
-    check_replicas_in_sync(accelerator, actor)
+    if replicas_comparable(engine):  # every rank holds the whole model: all must be equal
+        check_replicas_in_sync(accelerator, actor)
     if is_main and score_history:
         print(first_last_line(score_history, final_dir), flush=True)
     if torch.cuda.is_available():

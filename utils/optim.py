@@ -8,7 +8,8 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 OPTIMIZERS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "adamw_4bit")
 
 
-def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch", betas=(0.9, 0.999), eps=1e-8):
+def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch", betas=(0.9, 0.999), eps=1e-8,
+                    engine_master_weights=False):
     """AdamW over the trainable parameters, with the state precision of --optim. No weight decay
     on biases and norm weights (1-D tensors), as in most LLM fine-tuning recipes.
 
@@ -16,7 +17,9 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch",
     paged_adamw_8bit: bitsandbytes, 8-bit block-quantised moments; adamw_4bit: torchao, 4-bit.
     bf16 weights: an AdamW update of lr 1e-6 on a weight of 0.02 is below bf16's resolution and a
     plain bf16 step rounds it away, so bf16 parameters step through torchao's AdamW variants
-    with stochastic rounding (unbiased: the expected weight moves as an fp32 one would)."""
+    with stochastic rounding (unbiased: the expected weight moves as an fp32 one would).
+    engine_master_weights: DeepSpeed keeps fp32 master weights and hands them to this optimizer,
+    so it is torch's AdamW whatever the model's dtype."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -25,6 +28,8 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch",
     groups = [g for g in groups if g["params"]]
     params = decay + no_decay
     kwargs = dict(lr=learning_rate, betas=betas, eps=eps)
+    if engine_master_weights:  # DeepSpeed steps its own fp32 copy of the weights: a plain AdamW over it
+        return torch.optim.AdamW(groups, **kwargs)
     if any(p.dtype == torch.bfloat16 for p in params):
         if optim == "paged_adamw_8bit":
             from utils.cli import UsageError
@@ -81,11 +86,17 @@ def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm, loss)
     """Clip the gradient norm, then step, unless the loss or the norm is not finite (then the
     gradients are dropped). `loss` is this process's summed loss for the step (a tensor).
     Returns (grad_norm tensor, stepped)."""
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+    deepspeed = hasattr(model, "get_global_grad_norm")  # a DeepSpeed engine
+    if deepspeed:  # it clipped and stepped at the last micro-batch's backward (utils.engines.backward)
+        norm = model.get_global_grad_norm()
+        grad_norm = torch.tensor(float("nan") if norm is None else float(norm), device=loss.device)
+    else:
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
     loss = accelerator.reduce(loss.detach().clone(), reduction="sum")
     finite = bool(torch.isfinite(grad_norm) and torch.isfinite(loss))
-    # fp16: the grad scaler skips overflowing steps itself, so it must see every step
-    if finite or accelerator.scaler is not None:
+    # fp16: the grad scaler skips overflowing steps itself, so it must see every step; DeepSpeed has
+    # stepped already (it skips only fp16 overflows), so the schedule moves on with it
+    if finite or accelerator.scaler is not None or deepspeed:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -51,13 +51,21 @@ def _config(tokenizer, hidden_size, num_layers, **extra):
 
 
 def _seeded(build, seed):
-    """build() with a fixed seed: the same weights on every rank, the global RNG untouched."""
+    """build() with a fixed seed: the same weights on every rank, the global RNG untouched. Built
+    whole even under DeepSpeed ZeRO-3, where transformers would partition sub-models at
+    construction (and skip their random init), so the toy models are the same under every engine;
+    DeepSpeed shards them when the script prepares them."""
     import torch
+    from transformers.integrations import deepspeed as hf_deepspeed
 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        return build()
+    saved, hf_deepspeed._hf_deepspeed_config_weak_ref = hf_deepspeed._hf_deepspeed_config_weak_ref, None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return build()
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, attn_implementation="sdpa"):

@@ -1,0 +1,131 @@
+"""Both scripts under the engines of accelerate_configs/ on the CPU: DeepSpeed ZeRO-2 / ZeRO-3 (and
+ZeRO-3 with offload) in one process give the same losses, gradient norms and final weights as a
+plain run, save a from_pretrained-loadable model, and resume exactly; flags an engine cannot
+honour fail before any model loads. Several processes and FSDP2 need GPUs (tests/gpu/test_gpu_engines.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import ROOT, metrics_of, run_script
+
+COMMON = ["--max_steps", "3", "--lr_scheduler_type", "linear", "--warmup_steps", "1", "--max_grad_norm", "0.5"]
+SCRIPT_ARGS = {"train_grpo.py": ["--per_device_train_batch_size", "64"], "train_ppo.py": []}
+
+
+def launch_engine(config, script, args, timeout=600):
+    """accelerate launch with one of accelerate_configs/, one CPU process (the DeepSpeed engine runs;
+    accelerate drops DeepSpeed when asked for several CPU processes, see the skipped test below)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", "1",
+           "--mixed_precision", "no", os.path.join(ROOT, script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory):
+    """Each script's plain single-process run of COMMON: the reference the engines must match."""
+    out = {}
+    for script, extra in SCRIPT_ARGS.items():
+        path = tmp_path_factory.mktemp(script.split(".")[0])
+        result = run_script(COMMON + extra + ["--output_dir", str(path)], script=script)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[script] = path
+    return out
+
+
+def _assert_same_run(plain, engine_dir):
+    for a, b in zip(metrics_of(plain), metrics_of(engine_dir), strict=True):
+        for key in a:
+            if key.startswith(("loss/", "optim/", "reward/", "score/")):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    wa, wb = load_file(os.path.join(plain, "final", "model.safetensors")), \
+        load_file(os.path.join(engine_dir, "final", "model.safetensors"))
+    for name in wa:  # the engine may also write a tied head separately
+        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("script", list(SCRIPT_ARGS))
+@pytest.mark.parametrize("config, extra", [
+    ("deepspeed_zero2", []),
+    ("deepspeed_zero3", []),
+    ("deepspeed_zero3", ["--gather_for_generation", "false"]),
+    ("deepspeed_zero3_offload", []),
+], ids=["zero2", "zero3", "zero3-layerwise-generation", "zero3-offload"])
+def test_deepspeed_one_process_matches_the_plain_run(plain_runs, tmp_path, script, config, extra):
+    if script == "train_ppo.py" and extra:  # one generation variant is enough
+        pytest.skip("covered by train_grpo.py")
+    result = launch_engine(config, script, COMMON + SCRIPT_ARGS[script] + extra + ["--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "DeepSpeed" in result.stderr + result.stdout  # the engine really ran
+    _assert_same_run(plain_runs[script], tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # one loadable folder
+
+
+def test_deepspeed_zero3_resumes_exactly(tmp_path):
+    """PPO (two engines: actor, critic) under ZeRO-3, stopped after 2 steps and resumed to 3,
+    ends with the same weights as 3 steps at once."""
+    straight = launch_engine("deepspeed_zero3", "train_ppo.py", ["--max_steps", "3", "--output_dir",
+                                                                 str(tmp_path / "a")])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = launch_engine("deepspeed_zero3", "train_ppo.py", ["--max_steps", "2", "--output_dir", str(tmp_path / "b")])
+    assert first.returncode == 0 and (tmp_path / "b" / "checkpoint-2" / "trainer_state.json").exists()
+    resumed = launch_engine("deepspeed_zero3", "train_ppo.py", ["--max_steps", "3", "--output_dir",
+                                                                str(tmp_path / "b"), "--resume_from_checkpoint",
+                                                                "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    wa, wb = load_file(tmp_path / "a" / "final" / "model.safetensors"), \
+        load_file(tmp_path / "b" / "final" / "model.safetensors")
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "b" / "metrics.jsonl")]
+    assert steps == [1, 2, 3]  # the resumed run appended the step it ran, nothing twice
+
+
+@pytest.mark.parametrize("flags, engine, message", [
+    (["--param_offload"], "zero3", "--param_offload under zero3"),
+    (["--use_lora", "--load_in_4bit"], "zero2", "--load_in_4bit under zero2"),
+    (["--use_lora"], "fsdp2", "--use_lora under fsdp2"),
+    (["--optim", "adamw_8bit"], "zero2", "--optim adamw_8bit under zero2"),
+    (["--torch_dtype", "bfloat16"], "fsdp2", "--torch_dtype bfloat16 under fsdp2"),
+    (["--actor_device", "cuda:1"], "zero2", "--actor_device cuda:1 under zero2"),
+    (["--ref_device", "cpu"], "zero3", "--ref_device cpu under zero3"),
+    ([], "fsdp1", "FSDP version 1"),
+])
+def test_flags_an_engine_cannot_honour_fail_early(flags, engine, message):
+    import train_grpo
+    from utils.cli import UsageError, parse_args
+    from utils.engines import check_engine_args
+
+    args, _ = parse_args(train_grpo.Args, flags)
+    with pytest.raises(UsageError, match=message):
+        check_engine_args(args, engine)
+    check_engine_args(args, "ddp")  # DDP takes them all
+
+
+def test_the_scripts_refuse_before_loading_a_model(tmp_path):
+    result = launch_engine("deepspeed_zero3", "train_ppo.py", ["--param_offload", "--output_dir", str(tmp_path)],
+                           timeout=300)
+    assert result.returncode != 0 and "error: --param_offload under zero3" in result.stderr, result.stderr[-2000:]
+    assert "role " not in result.stdout and not (tmp_path / "metrics.jsonl").exists()  # no model was loaded
+
+
+@pytest.mark.skip(reason="DeepSpeed with 2 CPU processes does not run under accelerate 1.15: asked for CPU processes it "
+                         "sets up DDP and drops DeepSpeed (state.py: the DeepSpeed branch requires `not cpu`); without "
+                         "the CPU flag it counts one process while DeepSpeed's group has two. Two processes are "
+                         "tested on GPUs: tests/gpu/test_gpu_engines.py")
+def test_deepspeed_zero2_two_cpu_processes():
+    pass
+
+
+@pytest.mark.skip(reason="FSDP2 needs an accelerator under accelerate 1.15 (on CPU processes it falls back to DDP); "
+                         "tested on GPUs: tests/gpu/test_gpu_engines.py")
+def test_fsdp2_on_cpu():
+    pass
