@@ -340,9 +340,9 @@ def run_planner(args, algo, num_processes, device, is_main=True):
     if str(device).startswith("cuda"):
         import torch
 
-        # placement is planned for one process (cuda:N names one GPU of the machine); several processes share
-        # the GPUs through the launcher instead
-        gpus = torch.cuda.device_count() if num_processes == 1 else 1
+        # the GPUs this process owns: with several processes, --ref_device cuda:1 names a process's own
+        # second GPU (utils/placement.py)
+        gpus = max(1, torch.cuda.device_count() // num_processes)
     added, reasons, final = plan(shape, args, algo, gpu_bytes, num_processes, parse=lambda f: apply_flags(args, f),
                                  gpus_per_process=gpus)
     if is_main:
