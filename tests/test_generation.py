@@ -1,0 +1,102 @@
+"""--generation_backend static: the static-KV-cache decoding loop against transformers' generate
+(greedy: the same tokens; sampling: the same distribution), EOS and max length, and a script run."""
+import pytest
+import torch
+
+from helpers import metrics_of
+from utils import toy
+from utils.generation import completion_ids_and_mask, sample_from, sampling_logits, static_cache_generate
+
+
+def _model_and_prompts(eos_id=None):
+    """A random Llama whose greedy continuations vary (large init), and left-padded prompts of
+    different lengths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = toy.build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.3, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=eos_id if eos_id is not None else tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    enc = tokenizer(["1+2=", "12+34=", "7+7=", "100+1="], return_tensors="pt", padding=True, padding_side="left")
+    return model, tokenizer, enc["input_ids"], enc["attention_mask"]
+
+
+def _hf_greedy(model, ids, mask, max_new_tokens, eos, pad):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos)
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+
+
+def test_greedy_tokens_equal_generate_with_left_padding_and_eos():
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    free = static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, [10**9], pad, greedy=True)  # no EOS: 20 tokens
+    reference = _hf_greedy(model, ids, mask, 20, [10**9], pad)
+    assert free.shape == (4, 20) and torch.equal(free, reference)
+    assert len(set(free.flatten().tolist())) > 3  # the continuations vary: the check means something
+    eos = [int(free[0, 5]), int(free[2, 9])]  # tokens the rows will produce: each row stops at its first
+    ours = completion_ids_and_mask(static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, eos, pad, greedy=True,
+                                                         check_every=4), eos, pad)
+    theirs = completion_ids_and_mask(_hf_greedy(model, ids, mask, 20, eos, pad), eos, pad)
+    width = theirs[0].shape[1]
+    assert torch.equal(ours[0][:, :width], theirs[0]) and (ours[0][:, width:] == pad).all()
+    assert torch.equal(ours[1][:, :width], theirs[1]) and torch.equal(ours[2], theirs[2])
+    assert ours[2].tolist() != [True] * 4  # some rows ended with EOS
+
+
+def test_sampling_logits_equal_generate_logits_processors():
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 3
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.9), (0.8, 10, 0.5)]:
+        expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1.0:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        ours = sampling_logits(logits, temperature, top_k, top_p)
+        assert torch.equal(torch.isinf(ours), torch.isinf(expected)), (temperature, top_k, top_p)
+        torch.testing.assert_close(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)])
+
+
+def test_gumbel_sampling_has_the_softmax_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).expand(200_000, 5)
+    generator = torch.Generator().manual_seed(0)
+    draws = sample_from(logits, generator)
+    frequencies = torch.bincount(draws, minlength=5).double() / draws.numel()
+    expected = logits[0].double().softmax(-1)
+    assert frequencies[4] == 0  # a removed token is never drawn
+    assert (frequencies - expected).abs().max() < 4 * (expected * (1 - expected) / draws.numel()).sqrt().max()
+
+
+def test_sampled_first_tokens_follow_generate_distribution():
+    """Many sampled first tokens from one prompt, both ways: the same distribution (two-sample
+    chi-square-like bound on the frequency gap of each token)."""
+    from transformers import GenerationConfig
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    n = 4000
+    batch_ids, batch_mask = ids[:1].expand(n, -1), mask[:1].expand(n, -1)
+    torch.manual_seed(2)
+    ours = static_cache_generate(model, batch_ids, batch_mask, 1, 1.2, 0.95, 20, [10**9], tokenizer.pad_token_id)[:, 0]
+    config = GenerationConfig(max_new_tokens=1, do_sample=True, temperature=1.2, top_p=0.95, top_k=20,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=[10**9])
+    theirs = model.generate(input_ids=batch_ids, attention_mask=batch_mask, generation_config=config)[:, -1]
+    V = len(tokenizer)
+    a, b = torch.bincount(ours, minlength=V).double() / n, torch.bincount(theirs, minlength=V).double() / n
+    assert set(ours.tolist()) <= set(range(V)) and (a > 0).sum() > 3
+    assert (a - b).abs().max() < 5 * ((a + b) / n).sqrt().max()
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_scripts_train_with_the_static_backend(run, tmp_path, script):
+    result = run(["--max_steps", "3", "--generation_backend", "compiled", "--output_dir", str(tmp_path),
+                  "--save_strategy", "no"], script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "needs a GPU" in result.stderr  # compiled falls back to static on the CPU, and says so
+    assert len(metrics_of(tmp_path)) == 3
