@@ -1,0 +1,49 @@
+"""benchmarks/throughput.py: the roofline arithmetic against a hand count for the 1.5b shape, the
+ceilings' measurement, and a tiny end-to-end run on the CPU."""
+import json
+
+import pytest
+
+from benchmarks import throughput as bench
+
+
+def test_roofline_against_a_hand_count():
+    # qwen2.5-1.5b by hand: per layer q, o 1536x1536; k, v 1536x256; gate, up, down 1536x8960; 28 layers;
+    # the tied LM head 151936 x 1536; all parameters 1,543,714,304 (transformers' count)
+    linear = 28 * (2 * 1536 * 1536 + 2 * 1536 * 256 + 3 * 1536 * 8960)
+    matmul_params = linear + 151936 * 1536
+    tokens = 128 * (256 + 512)  # W-GRPO: 16 x 8 rows of 256 + 512 tokens
+    result = {"phases": {"generate": {"time_s": 10.24}, "ref": {"time_s": 0.5}, "actor_update": {"time_s": 3.0}},
+              "completion_tokens": 128 * 512}
+    ceilings = {"bandwidth_gb_s": 4000.0, "matmul_tflops": 800.0}
+    line = bench.roofline("qwen2.5-1.5b", "grpo", ["--use_gradient_checkpointing"], result, ceilings)
+    update_tflops = 8 * matmul_params * tokens / 3.0 / 1e12
+    assert line["actor_update_tflops"] == pytest.approx(update_tflops)
+    assert line["actor_update_fraction_of_matmul"] == pytest.approx(update_tflops / 800)
+    assert line["ref_tflops"] == pytest.approx(2 * matmul_params * tokens / 0.5 / 1e12)
+    # one decoding step: the fp32 weights once + 128 rows' KV (28 layers x K,V x 2 heads x 128 dims x 2 bytes)
+    # at the mean context 256 + 512 / 2
+    floor = (1_543_714_304 * 4 + 128 * 512 * 28 * 2 * 2 * 128 * 2) / 4000e9
+    assert line["decode_floor_ms"] == pytest.approx(floor * 1e3)
+    assert line["decode_step_ms"] == pytest.approx(10.24 / 512 * 1e3)
+    assert line["decode_fraction_of_floor"] == pytest.approx(floor / (10.24 / 512))
+    # bf16 weights in 4 slices of 32: four passes over half the bytes
+    sliced = bench.roofline("qwen2.5-1.5b", "grpo", ["--torch_dtype", "bfloat16", "--generation_batch_size", "32"],
+                            result, ceilings)
+    assert sliced["decode_floor_ms"] == pytest.approx(
+        4 * (1_543_714_304 * 2 + 32 * 512 * 28 * 2 * 2 * 128 * 2) / 4000e9 * 1e3)
+    assert sliced["actor_update_tflops"] == pytest.approx(6 * matmul_params * tokens / 3.0 / 1e12)  # no recompute
+
+
+def test_ceilings_are_measured():
+    ceilings = bench.measure_ceilings(on_gpu=False)
+    assert ceilings["bandwidth_gb_s"] > 0.1 and ceilings["matmul_tflops"] > 1e-4 and ceilings["device"] == "CPU"
+
+
+def test_tiny_run_end_to_end(tmp_path, capsys):
+    bench.main(["--shape", "tiny", "--steps", "2", "--cache_dir", str(tmp_path / "cache"), "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "median step" in printed and "of bandwidth" in printed and "of matmul" in printed
+    data = json.load(open(tmp_path / "throughput_tiny_grpo.json"))
+    assert data["flags"] == ["--use_gradient_checkpointing"] and data["result"]["steps"] == 2
+    assert data["roofline"]["decode_fraction_of_floor"] > 0
