@@ -387,13 +387,19 @@ def print_run(r):
               f"{fmt(p['peak_reserved_gib']):>14}")
 
 
-def main(argv=None):
+def benchmark_parser(argv, doc):
+    """(parser with --shape and --script, this benchmark's argv, the script flags after `--`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    script_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES))
     parser.add_argument("--script", default="grpo", choices=["grpo", "ppo"])
+    return parser, argv, script_flags
+
+
+def main(argv=None):
+    parser, argv, extra = benchmark_parser(argv, __doc__)
     parser.add_argument("--steps", type=int, default=2, help="training steps per run (step 1 is warm-up)")
     parser.add_argument("--sweep", action="store_true", help="run the configs in SWEEP and write md/json/png")
     parser.add_argument("--configs", help="comma list of SWEEP names to run (with --sweep); default: all")

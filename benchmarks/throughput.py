@@ -22,7 +22,6 @@ never samples eos) and prints, from the run's metrics.jsonl: the median step tim
 
 Results go to <out>/throughput_<shape>_<script>.json.
 """
-import argparse
 import json
 import os
 import shlex
@@ -32,7 +31,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.memory import (SHAPES, command, device_info, prepare_inputs, run_config,  # noqa: E402
+from benchmarks.memory import (benchmark_parser, command, device_info, prepare_inputs, run_config,  # noqa: E402
                                workload_flags)
 
 
@@ -143,12 +142,7 @@ def report(shape, script, flags, result, ceilings, line) -> str:
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    flags = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES))
-    parser.add_argument("--script", default="grpo", choices=["grpo", "ppo"])
+    parser, argv, flags = benchmark_parser(argv, __doc__)
     parser.add_argument("--steps", type=int, default=5, help="training steps (median over steps 2..)")
     parser.add_argument("--no_checkpointing", action="store_true",
                         help="leave out --use_gradient_checkpointing (on by default, as in the issue's targets)")
