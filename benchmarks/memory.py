@@ -7,6 +7,8 @@ train_grpo.py / train_ppo.py on the reference workloads (W-GRPO, W-PPO), with ra
     python benchmarks/memory.py --shape qwen2.5-1.5b --sweep --parallel_gpus 2         # every config in SWEEP
     python benchmarks/memory.py --shape qwen2.5-0.5b --sweep --configs baseline,grad_ckpt,best
     python benchmarks/memory.py --shape tiny --steps 2                                  # CPU smoke test, seconds
+    python benchmarks/memory.py --engines multi_gpu,deepspeed_zero2,deepspeed_zero3,fsdp2 --num_processes 2 \
+        -- --use_gradient_checkpointing                                                  # per-GPU memory per engine
 
 Built once per shape and cached in --cache_dir (default /tmp/lean_rl_bench): a Qwen2 model with
 random weights (seed 0; bf16, created on the GPU when there is one, else float32), an "id
@@ -26,6 +28,7 @@ import json
 import os
 import queue
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -355,10 +358,10 @@ def write_plot(results, path, title):
     plt.close(fig)
 
 
-def write_reports(results, out, shape, script, gpu_name, steps, extra=()):
-    """<out>/memory_<shape>_<script>.md, .json and .png; returns their paths."""
+def write_reports(results, out, shape, script, gpu_name, steps, extra=(), tag=""):
+    """<out>/memory_<shape>_<script><tag>.md, .json and .png; returns their paths."""
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"memory_{shape}_{script}")
+    stem = os.path.join(out, f"memory_{shape}_{script}{tag}")
     title = f"{shape}, {script.upper()} ({steps} steps), {gpu_name}"
     text = [f"# Memory: {title}", "", f"Measured {time.strftime('%Y-%m-%d')} with `benchmarks/memory.py`. "
             "Peaks: max over steps of torch.cuda.max_memory_* per phase; step time: median of steps 2.. "
@@ -406,6 +409,9 @@ def main(argv=None):
     parser.add_argument("--target", choices=list(TARGETS), help="run one of TARGETS (its shape and flags) and say "
                         "whether its peak reserved memory is within the limit")
     parser.add_argument("--parallel_gpus", type=int, default=1, help="run up to N configs at once, one GPU each")
+    parser.add_argument("--engines", help="comma list of accelerate_configs/ names (multi_gpu,deepspeed_zero2,"
+                        "deepspeed_zero3,fsdp2): one run under each, launched with --num_processes")
+    parser.add_argument("--num_processes", type=int, default=2, help="processes per run with --engines")
     parser.add_argument("--cache_dir", default="/tmp/lean_rl_bench", help="random-weight models, tokenizers, prompts")
     parser.add_argument("--out", default="benchmarks/results", help="where --sweep writes its md, json and png")
     args = parser.parse_args(argv)
@@ -421,6 +427,12 @@ def main(argv=None):
         if unknown:
             parser.error(f"--configs: unknown {', '.join(unknown)}; SWEEP has {', '.join(n for n, _ in SWEEP)}")
         configs = [(name, shlex.split(flags)) for name, flags in SWEEP if name in wanted]
+    if args.engines:
+        configs = [(name, []) for name in args.engines.split(",")]
+        missing = [n for n, _ in configs if not os.path.exists(os.path.join(ROOT, "accelerate_configs", n + ".yaml"))]
+        if missing or args.sweep or args.target:
+            parser.error(f"--engines: {', '.join(missing)} not in accelerate_configs/" if missing else
+                         "--engines runs the flags after -- under each engine; not with --sweep or --target")
 
     on_gpu, gpu_name = device_info()
     cache_dir, out = os.path.abspath(args.cache_dir), os.path.abspath(args.out)  # the runs' cwd is the repo root
@@ -430,13 +442,21 @@ def main(argv=None):
     run_root = os.path.join(cache_dir, "runs", f"{args.shape}_{args.script}")  # logs, metrics.jsonl
 
     def make_cmd(run_dir, flags):
-        return command(args.shape, args.script, model_dir, tok_dir, dataset, run_dir, args.steps, extra + flags)
+        cmd = command(args.shape, args.script, model_dir, tok_dir, dataset, run_dir, args.steps, extra + flags)
+        if args.engines:  # run_dir is named after the engine's config
+            config = os.path.join(ROOT, "accelerate_configs", os.path.basename(run_dir) + ".yaml")
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes",
+                   str(args.num_processes), "--main_process_port", str(29500 + len(os.path.basename(run_dir))),
+                   *cmd[1:]]
+        return cmd
+
+    tag = f"_engines_{args.num_processes}proc" if args.engines else ""
 
     def write_so_far(results):
-        write_reports(results, out, args.shape, args.script, gpu_name, args.steps, extra)
+        write_reports(results, out, args.shape, args.script, gpu_name, args.steps, extra, tag)
 
-    results = run_all(configs, make_cmd, run_root, args.parallel_gpus, echo=not args.sweep,
-                      on_result=write_so_far if args.sweep else None)
+    results = run_all(configs, make_cmd, run_root, args.parallel_gpus, echo=not (args.sweep or args.engines),
+                      on_result=write_so_far if args.sweep or args.engines else None)
     print(f"\nGPU: {gpu_name}")
     for r in results:
         print(f"command ({r['name']}): {r['command']}")
@@ -449,10 +469,14 @@ def main(argv=None):
         with open(os.path.join(out, f"target_{args.target}.json"), "w") as f:
             json.dump({**results[0], "target": args.target, "limit_gib": limit, "gpu_name": gpu_name,
                        "verdict": verdict}, f, indent=1)
-    if args.sweep:
+    if args.engines:  # every rank's own peak, as each printed it at the end
+        for r in results:
+            peaks = re.findall(r"\[rank \d+\] peak GPU memory allocated: .*", open(r["log"]).read())
+            print(f"{r['name']} ({args.num_processes} processes): " + ("; ".join(sorted(peaks)) or "no peaks printed"))
+    if args.sweep or args.engines:
         print("\n" + markdown_table(results))
         print("\nwrote " + ", ".join(write_reports(results, out, args.shape, args.script, gpu_name, args.steps,
-                                                      extra)))
+                                                      extra, tag)))
     return results
 
 

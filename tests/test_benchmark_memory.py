@@ -222,3 +222,15 @@ def test_tiny_two_config_sweep(needs_new_flags, cache_dir, tmp_path):
         assert "| n/a |" in md
     # checkpointing recomputes the same activations: same step-1 loss and grad norm on CPU (fp32)
     assert "equivalent" in md.split("| grad_ckpt |")[1].splitlines()[0]
+
+
+def test_engines_mode_runs_each_accelerate_config(tmp_path):
+    """--engines: one run per accelerate config (here DeepSpeed ZeRO-2 in one CPU process), its own
+    report files; an unknown config name is a usage error."""
+    results = bench.main(["--shape", "tiny", "--steps", "2", "--engines", "deepspeed_zero2", "--num_processes", "1",
+                          "--cache_dir", str(tmp_path / "cache"), "--out", str(tmp_path)])
+    assert [r["status"] for r in results] == ["ok"] and "accelerate.commands.launch" in results[0]["command"]
+    assert "deepspeed_zero2.yaml" in results[0]["command"] and results[0]["loss"] is not None
+    assert (tmp_path / "memory_tiny_grpo_engines_1proc.md").exists()
+    with pytest.raises(SystemExit):
+        bench.main(["--shape", "tiny", "--engines", "zero9", "--out", str(tmp_path)])
