@@ -69,6 +69,18 @@ def test_deepspeed_one_process_matches_the_plain_run(plain_runs, tmp_path, scrip
     AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # one loadable folder
 
 
+def test_memory_levers_under_zero3_match_the_plain_run(tmp_path):
+    """The chunked LM head (recomputed in backward, where ZeRO-3 gathers the head's weight again),
+    checkpointing and an entropy bonus under ZeRO-3: the plain run's numbers."""
+    levers = ["--logprob_chunk_size", "8", "--use_gradient_checkpointing", "--entropy_coef", "0.01"]
+    args = COMMON + SCRIPT_ARGS["train_grpo.py"] + levers
+    plain = run_script(args + ["--output_dir", str(tmp_path / "plain")])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    engine = launch_engine("deepspeed_zero3", "train_grpo.py", args + ["--output_dir", str(tmp_path / "zero3")])
+    assert engine.returncode == 0, engine.stderr[-3000:]
+    _assert_same_run(tmp_path / "plain", tmp_path / "zero3")
+
+
 def test_deepspeed_zero3_resumes_exactly(tmp_path):
     """PPO (two engines: actor, critic) under ZeRO-3, stopped after 2 steps and resumed to 3,
     ends with the same weights as 3 steps at once."""
