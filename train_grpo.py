@@ -6,6 +6,7 @@
         --reward_funcs accuracy,format --use_gradient_checkpointing
     accelerate launch --multi_gpu --num_processes 4 train_grpo.py --use_gradient_checkpointing ...
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 8 train_grpo.py ...
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 4 train_grpo.py ...  # or fsdp2.yaml
     python train_grpo.py --config my_run.yaml --learning_rate 2e-6   # YAML of flag names; the command line wins
 
 One step (DeepSeekMath, Shao et al. 2024, arXiv:2402.03300, Algorithm 1):

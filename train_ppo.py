@@ -5,6 +5,7 @@ each placed where it fits, in one file, readable top to bottom.
     python train_ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
         --reward_model_name_or_path my-org/my-reward-model --dataset_name my_prompts.jsonl
     accelerate launch --multi_gpu --num_processes 4 train_ppo.py --use_gradient_checkpointing ...
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes 4 train_ppo.py ...  # or fsdp2.yaml
     # four roles on four GPUs, one process:
     python train_ppo.py --actor_device cuda:0 --critic_device cuda:1 --reward_device cuda:2 --ref_device cuda:3 ...
 
