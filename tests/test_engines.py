@@ -81,6 +81,25 @@ def test_memory_levers_under_zero3_match_the_plain_run(tmp_path):
     _assert_same_run(tmp_path / "plain", tmp_path / "zero3")
 
 
+@pytest.mark.parametrize("script", list(SCRIPT_ARGS))
+def test_lora_under_zero2_matches_the_plain_run(tmp_path, script):
+    """LoRA under ZeRO-2 (whole replicas): the plain run's numbers, and the saved model has the
+    trained adapter merged in."""
+    args = COMMON + SCRIPT_ARGS[script] + ["--use_lora", "--learning_rate", "1e-3"]
+    plain = run_script(args + ["--output_dir", str(tmp_path / "plain")], script=script)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    engine = launch_engine("deepspeed_zero2", script, args + ["--output_dir", str(tmp_path / "zero2")])
+    assert engine.returncode == 0, engine.stderr[-3000:]
+    _assert_same_run(tmp_path / "plain", tmp_path / "zero2")
+    from utils import toy
+
+    initial = toy.build_model(toy.build_tokenizer(), seed=42).state_dict()  # the scripts' default --seed
+    merged = load_file(tmp_path / "zero2" / "final" / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(merged["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])  # same start
+    assert (merged[name] - initial[name]).abs().max() > 1e-6  # the adapter trained and was merged
+
+
 def test_deepspeed_zero3_resumes_exactly(tmp_path):
     """PPO (two engines: actor, critic) under ZeRO-3, stopped after 2 steps and resumed to 3,
     ends with the same weights as 3 steps at once."""
