@@ -99,11 +99,11 @@ def backward(accelerator, model, loss, last):
 
 
 @contextmanager
-def gathered_for_generation(accelerator, model, enabled=True):
-    """ZeRO-3 / FSDP2: the policy's full weights on each GPU for the rollout, sharded again after.
-    Costs one full copy of the weights for the phase; saves an all-gather of every layer at every
-    decoding step. Nothing to do for the other engines or with enabled=False."""
-    engine = engine_of(accelerator)
+def gathered_for_generation(engine, model, enabled=True):
+    """ZeRO-3 / FSDP2 (`engine` as engine_of says): the policy's full weights on each GPU for the
+    rollout, sharded again after. Costs one full copy of the weights for the phase; saves an
+    all-gather of every layer at every decoding step. Nothing to do for the other engines or with
+    enabled=False."""
     if not enabled or engine not in ("zero3", "fsdp2"):
         yield
         return
@@ -132,12 +132,10 @@ def prepare_frozen(accelerator, model, engine, micro_batch_size):
     optimizer); the other engines keep the replica already placed on the process's device."""
     if engine != "zero3" or model is None:
         return model
-    import copy
-
     import deepspeed
 
-    zero = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}))
-    offload = zero.get("offload_param") or {"device": "none"}
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    offload = dict(zero.get("offload_param") or {"device": "none"})  # a copy: DeepSpeed may fill it in
     config = {"train_micro_batch_size_per_gpu": micro_batch_size,
               "zero_optimization": {"stage": 3, "offload_param": offload},
               "bf16": {"enabled": accelerator.mixed_precision == "bf16"},

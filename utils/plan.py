@@ -106,6 +106,19 @@ def _optimizer_bytes_per_param(optim, weight_bytes):
     return {"adamw_8bit": 2.03, "paged_adamw_8bit": 2.03, "adamw_4bit": 1.06}[optim]  # measured, with scales
 
 
+def _frozen_bytes(shape, params, quant):
+    """A frozen model's weights: bf16, or the decoder Linears at `quant` bytes (4/8-bit) and the rest bf16."""
+    return (shape.linear_params * quant + (params - shape.linear_params) * 2) if quant else params * 2
+
+
+def owned_gpus(num_processes) -> int:
+    """The GPUs each process owns (utils/placement.py: with several processes, --ref_device cuda:1
+    names a process's own second GPU); 1 without GPUs."""
+    import torch
+
+    return max(1, torch.cuda.device_count() // num_processes) if torch.cuda.is_available() else 1
+
+
 def _other_gpu(device) -> bool:
     """A role placed on a GPU other than the process's first (cuda:0 in the planner's terms)."""
     return bool(device) and device.startswith("cuda:") and device != "cuda:0"
@@ -114,7 +127,7 @@ def _other_gpu(device) -> bool:
 def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     """Bytes per component and per phase for one process. `args`: the script's Args (flags).
     Roles placed on another GPU (`--ref_device cuda:1`, `--critic_device cuda:1`) are left out of the
-    phases (the first GPU's) and counted in `other_gpus`: {device: peak allocated bytes}."""
+    phases (the first GPU's) and counted in `other_gpus`: {device: estimated peak reserved bytes}."""
     P, C = args.max_prompt_length, args.max_completion_length
     T = P + C
     if algo == "grpo":
@@ -155,13 +168,13 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         if args.ref_device == "offload":
             ref = max(shape.embedding_params, shape.linear_params // shape.layers) * 2  # one module at a time
         elif args.ref_device in (None, "cuda", "cuda:0"):
-            ref = (shape.linear_params * quant + (shape.params - shape.linear_params) * 2) if quant else shape.params * 2
+            ref = _frozen_bytes(shape, shape.params, quant)
     comp["ref/weights"] = ref
     # a reward model (W-PPO: a sequence classifier of the policy's shape; its head is one number)
     reward_state = 0
     if args.reward_model_name_or_path:
         body = shape.params - (0 if shape.tied else shape.embedding_params)
-        reward_state = (shape.linear_params * quant + (body - shape.linear_params) * 2) if quant else body * 2
+        reward_state = _frozen_bytes(shape, body, quant)
     reward_elsewhere = bool(reward_state) and _other_gpu(args.reward_device)
     comp["reward/weights"] = (0 if not reward_state or args.reward_device == "cpu" or reward_elsewhere else
                               max(shape.embedding_params, shape.linear_params // shape.layers) * 2
@@ -193,8 +206,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         other[args.reward_device] = reward_state + comp["ref/logits"] // 4  # no LM head: hidden states only
     ref_elsewhere = _other_gpu(args.ref_device) and uses_ref and not args.use_lora
     if ref_elsewhere:
-        ref_state = (shape.linear_params * quant + (shape.params - shape.linear_params) * 2) if quant else shape.params * 2
-        other[args.ref_device] = other.get(args.ref_device, 0) + ref_state + comp["ref/logits"]
+        other[args.ref_device] = other.get(args.ref_device, 0) + _frozen_bytes(shape, shape.params, quant) \
+            + comp["ref/logits"]
     critic_elsewhere = algo == "ppo" and _other_gpu(getattr(args, "critic_device", None))
     here = [r for r in roles if not (r == "critic" and critic_elsewhere)]
     if critic_elsewhere:
@@ -215,7 +228,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     if algo == "ppo" and not critic_elsewhere:
         phases["critic_update"] = static + grads + comp["update/activations"] + positions * shape.hidden * 4
     peak_allocated = max(phases.values())
-    return dict(components=comp, phases=phases, peak_allocated=peak_allocated, other_gpus=other,
+    return dict(components=comp, phases=phases, peak_allocated=peak_allocated,
+                other_gpus={device: used * (1 + RESERVED_SLACK) for device, used in other.items()},
                 peak_reserved=peak_allocated * (1 + RESERVED_SLACK),
                 host_bytes=offloaded * (train_bytes * 2 + _optimizer_bytes_per_param(args.optim, train_bytes))
                 + (shape.params * 2 if args.ref_device == "offload" else 0)
@@ -269,7 +283,7 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_pro
         trial = parse([f for group in trial_flags.values() for f in group])
         after = estimate(shape, trial, algo, num_processes)
         if after["peak_reserved"] < current["peak_reserved"]:
-            there = after["other_gpus"][flags[1]] * (1 + RESERVED_SLACK)
+            there = after["other_gpus"][flags[1]]
             reasons.append(f"{' '.join(flags)}: {what} on a GPU of their own ({there / GIB:.1f} GiB there): "
                            f"{current['peak_reserved'] / GIB:.1f} -> {after['peak_reserved'] / GIB:.1f} GiB here")
             chosen, args, current = trial_flags, trial, after
@@ -293,8 +307,8 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_pro
                        + ("use --use_lora (with --load_in_4bit for QLoRA), " if not args.use_lora else "")
                        + "more GPUs (accelerate launch, DeepSpeed/FSDP configs), or a smaller batch")
     for device, used in current["other_gpus"].items():
-        if used * (1 + RESERVED_SLACK) > headroom:
-            reasons.append(f"{device} would need {used * (1 + RESERVED_SLACK) / GIB:.1f} GiB, more than 90% of it")
+        if used > headroom:
+            reasons.append(f"{device} would need {used / GIB:.1f} GiB, more than 90% of it")
     return [f for group in chosen.values() for f in group], reasons, current
 
 
@@ -336,13 +350,7 @@ def run_planner(args, algo, num_processes, device, is_main=True):
     else:
         raise UsageError("--plan / --auto_memory: no GPU here to plan for; give --gpu_memory (e.g. 80GiB)")
     shape = load_shape(args.model_name_or_path)
-    gpus = 1
-    if str(device).startswith("cuda"):
-        import torch
-
-        # the GPUs this process owns: with several processes, --ref_device cuda:1 names a process's own
-        # second GPU (utils/placement.py)
-        gpus = max(1, torch.cuda.device_count() // num_processes)
+    gpus = owned_gpus(num_processes) if str(device).startswith("cuda") else 1
     added, reasons, final = plan(shape, args, algo, gpu_bytes, num_processes, parse=lambda f: apply_flags(args, f),
                                  gpus_per_process=gpus)
     if is_main:
@@ -364,7 +372,7 @@ def report(shape, est, gpu_bytes=None) -> str:
     lines.append(f"peak reserved (estimated): {est['peak_reserved'] / GIB:.2f} GiB"
                  + (f" of {gpu_bytes / GIB:.0f} GiB" if gpu_bytes else "")
                  + f"; host memory for offloading: {est['host_bytes'] / GIB:.1f} GiB")
-    lines += [f"{device}: peak reserved (estimated) {used * (1 + RESERVED_SLACK) / GIB:.2f} GiB (roles placed there)"
+    lines += [f"{device}: peak reserved (estimated) {used / GIB:.2f} GiB (roles placed there)"
               for device, used in est["other_gpus"].items()]
     return "\n".join(lines)
 
@@ -472,11 +480,7 @@ def main(argv=None):
         if not torch.cuda.is_available():
             parser.error("no GPU visible: give --gpu_memory (e.g. 80GiB)")
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    gpus = opts.gpus_per_process
-    if gpus is None:
-        import torch
-
-        gpus = max(1, torch.cuda.device_count() // opts.num_processes) if torch.cuda.is_available() else 1
+    gpus = opts.gpus_per_process if opts.gpus_per_process is not None else owned_gpus(opts.num_processes)
     print(report(shape, estimate(shape, args, opts.algo, opts.num_processes), gpu_bytes))
     added, reasons, final = plan(shape, args, opts.algo, gpu_bytes, opts.num_processes,
                                  parse=lambda extra: apply_flags(args, extra), gpus_per_process=gpus)
@@ -485,7 +489,7 @@ def main(argv=None):
         print("  " + line)
     if added:
         print(f"add: {' '.join(added)}  -> estimated peak reserved {final['peak_reserved'] / GIB:.1f} GiB"
-              + "".join(f"; {d}: {u * (1 + RESERVED_SLACK) / GIB:.1f} GiB" for d, u in final["other_gpus"].items()))
+              + "".join(f"; {d}: {u / GIB:.1f} GiB" for d, u in final["other_gpus"].items()))
 
 
 if __name__ == "__main__":
