@@ -415,8 +415,8 @@ def main(argv=None):
     parser.add_argument("--cache_dir", default="/tmp/lean_rl_bench", help="random-weight models, tokenizers, prompts")
     parser.add_argument("--out", default="benchmarks/results", help="where --sweep writes its md, json and png")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.parallel_gpus < 1:
-        parser.error("--steps and --parallel_gpus must be at least 1")
+    if args.steps < 1 or args.parallel_gpus < 1 or args.num_processes < 1:
+        parser.error("--steps, --parallel_gpus and --num_processes must be at least 1")
     configs = [("run", [])]
     if args.target:
         args.shape, flags, limit = TARGETS[args.target]

@@ -133,3 +133,12 @@ def test_placement_moves_frozen_roles_and_the_critic_to_other_gpus_first():
                                  gpus_per_process=4)
     assert added[:6] == ["--critic_device", "cuda:1", "--ref_device", "cuda:2", "--reward_device", "cuda:3"]
     assert set(final["other_gpus"]) == {"cuda:1", "cuda:2", "cuda:3"} and "critic_update" not in final["phases"]
+
+
+def test_planner_cli_refuses_non_positive_counts(capsys):
+    from utils.plan import main
+
+    for flags in (["--gpus_per_process", "0"], ["--num_processes", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--model", "qwen2.5-1.5b", "--gpu_memory", "80GiB", *flags])
+        assert "must be at least 1" in capsys.readouterr().err

@@ -459,6 +459,8 @@ def main(argv=None):
     parser.add_argument("--measured", action="store_true", help="estimate vs the measured H200 runs, and exit")
     parser.add_argument("--workload", action="store_true", help="use W-GRPO's batch and lengths (workloads.md)")
     opts = parser.parse_args(argv)
+    if opts.num_processes < 1 or (opts.gpus_per_process is not None and opts.gpus_per_process < 1):
+        parser.error("--num_processes and --gpus_per_process must be at least 1")
     if opts.measured:
         print(f"{'shape':<14}{'estimated GiB':>14}{'measured GiB':>14}{'error':>8}  {'set':<9}flags")
         for rows, kind in ((MEASURED, "fit"), (HELD_OUT, "held out")):
