@@ -46,9 +46,10 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens,
                   logits_to_keep=num_completion_tokens + 1, use_cache=False)
     if chunk_size:
         head = output_head(model)
-        project = head_projection(head)
+        projection = head_projection(head)
 
         def head_forward(hidden):  # [B, C + 1, H] -> [B, C + 1, 2]: (logprob, entropy) per position
+            project = projection()  # inside the forward: FSDP2 swaps the gathered weight in only then
             out = chunked_logprobs(project, hidden[:, :-1], targets, temperature, chunk_size, entropy)
             return torch.nn.functional.pad(out, (0, 0, 0, 1))
 
@@ -121,17 +122,22 @@ def output_head(model):
 
 
 def head_projection(head):
-    """hidden -> logits of the LM head. A plain Linear is applied with its weight fetched once
-    (from the CPU under --param_offload); anything else through its forward: a LoRA-wrapped head,
-    or one with accelerate hooks (an offloaded reference: its weight is on `meta` until the hook
-    loads it)."""
+    """A function, called inside the model's forward, that returns hidden -> logits of the LM head.
+    A plain Linear is applied with its weight fetched once per forward (from the CPU under
+    --param_offload; the gathered weight under FSDP2, which registers it only during the forward);
+    anything else through its forward as it is now: a LoRA-wrapped head, or one with accelerate
+    hooks (an offloaded reference: its weight is on `meta` until the hook loads it)."""
     is_plain = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
     hooked = "forward" in head.__dict__ and not hasattr(head, "lean_rl_fetch")
     if not is_plain or hooked:
-        return head.forward
+        forward = head.forward
+        return lambda: forward
     fetch = getattr(head, "lean_rl_fetch", lambda p: p)
-    weight, bias = fetch(head.weight), fetch(head.bias)
-    return lambda hidden: torch.nn.functional.linear(hidden, weight, bias)
+
+    def projection():
+        weight, bias = fetch(head.weight), fetch(head.bias)
+        return lambda hidden: torch.nn.functional.linear(hidden, weight, bias)
+    return projection
 
 
 class replaced_forward:
