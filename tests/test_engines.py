@@ -1,7 +1,9 @@
 """Both scripts under the engines of accelerate_configs/ on the CPU: DeepSpeed ZeRO-2 / ZeRO-3 (and
 ZeRO-3 with offload) in one process give the same losses, gradient norms and final weights as a
 plain run, save a from_pretrained-loadable model, and resume exactly; flags an engine cannot
-honour fail before any model loads. Several processes and FSDP2 need GPUs (tests/gpu/test_gpu_engines.py)."""
+honour fail before any model loads. FSDP2 runs on two CPU processes and matches DDP there, and
+resumes exactly from its sharded checkpoint. Several processes under DeepSpeed need GPUs
+(tests/gpu/test_gpu_engines.py)."""
 import json
 import os
 import subprocess
@@ -156,7 +158,48 @@ def test_deepspeed_zero2_two_cpu_processes():
     pass
 
 
-@pytest.mark.skip(reason="FSDP2 needs an accelerator under accelerate 1.15 (on CPU processes it falls back to DDP); "
-                         "tested on GPUs: tests/gpu/test_gpu_engines.py")
-def test_fsdp2_on_cpu():
-    pass
+FSDP2_CASES = [("train_grpo.py", []), ("train_grpo.py", ["--gather_for_generation", "false"]), ("train_ppo.py", [])]
+
+
+@pytest.mark.parametrize("script, extra", FSDP2_CASES, ids=["grpo", "grpo-layerwise-generation", "ppo"])
+def test_fsdp2_two_cpu_processes_match_ddp(tmp_path, script, extra):
+    """FSDP2 on two CPU processes (gloo; accelerate's FSDP2 setup, see tests/fsdp_on_cpu.py) with the
+    chunked LM head and checkpointing: the losses, gradient norms and final weights of DDP with the
+    same two processes; the checkpoint is sharded (one part per process) and the final model is one
+    from_pretrained-loadable folder."""
+    from helpers import launch_two_cpu_processes
+
+    args = COMMON + SCRIPT_ARGS[script] + ["--save_steps", "2", "--logprob_chunk_size", "8",
+                                           "--use_gradient_checkpointing", *extra]
+    ddp = launch_two_cpu_processes(script, args + ["--output_dir", str(tmp_path / "ddp")])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    fsdp = launch_two_cpu_processes(script, args + ["--output_dir", str(tmp_path / "fsdp2")], fsdp2=True)
+    assert fsdp.returncode == 0, fsdp.stdout[-2000:] + fsdp.stderr[-4000:]
+    assert "num_processes=2" in fsdp.stdout
+    shards = sorted(f for f in os.listdir(tmp_path / "fsdp2" / "checkpoint-2" / "pytorch_model_fsdp_0")
+                    if f.endswith(".distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], shards  # FSDP2 really ran: one shard per process
+    _assert_same_run(tmp_path / "ddp", tmp_path / "fsdp2")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp2" / "final")
+
+
+def test_fsdp2_resumes_exactly(tmp_path):
+    """PPO (actor and critic, both sharded) under FSDP2 on two CPU processes, stopped after 2 steps
+    and resumed from the sharded checkpoint to 3: the weights of 3 steps at once."""
+    from helpers import launch_two_cpu_processes
+
+    args = ["--max_steps", "3", "--per_device_train_batch_size", "32"]
+    straight = launch_two_cpu_processes("train_ppo.py", args + ["--output_dir", str(tmp_path / "a")], fsdp2=True)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = launch_two_cpu_processes("train_ppo.py", ["--max_steps", "2", *args[2:], "--output_dir",
+                                                      str(tmp_path / "b")], fsdp2=True)
+    assert first.returncode == 0 and (tmp_path / "b" / "checkpoint-2" / "pytorch_model_fsdp_1").is_dir()
+    resumed = launch_two_cpu_processes("train_ppo.py", args + ["--output_dir", str(tmp_path / "b"),
+                                                               "--resume_from_checkpoint", "latest"], fsdp2=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    wa, wb = load_file(tmp_path / "a" / "final" / "model.safetensors"), \
+        load_file(tmp_path / "b" / "final" / "model.safetensors")
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
