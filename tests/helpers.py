@@ -36,15 +36,10 @@ def assert_same_weights(a, b):
 EXIT_ABORT = "terminate called without an active exception"
 
 
-# accelerate_configs/fsdp2.yaml as the environment accelerate launch would set from it
-FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-             "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_RESHARD_AFTER_FORWARD": "true"}
-
-
-def launch_two_cpu_processes(script, args, timeout=600, fsdp2=False):
-    """The launch line that really starts two CPU processes (../shared/machine-notes.md); with
-    fsdp2, under FSDP2 as accelerate_configs/fsdp2.yaml sets it up (through tests/fsdp_on_cpu.py,
-    as accelerate keeps FSDP for accelerators only)."""
+def launch_two_cpu_processes(script, args, timeout=600, config=None):
+    """The launch line that really starts two CPU processes (../shared/machine-notes.md). With
+    `config` (a name in accelerate_configs/), that config's launch, its engine kept on the CPU
+    processes by tests/engine_on_cpu.py (accelerate keeps DeepSpeed and FSDP for accelerators)."""
     import socket
     import warnings
 
@@ -52,12 +47,15 @@ def launch_two_cpu_processes(script, args, timeout=600, fsdp2=False):
         with socket.socket() as s:  # a free port, so back-to-back launches never collide
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1",
-                   **(FSDP2_ENV if fsdp2 else {}))
-        target = [os.path.join(ROOT, "tests", "fsdp_on_cpu.py")] if fsdp2 else []
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(port), *target, os.path.join(ROOT, script), *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1")
+        if config is None:
+            launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                      "--dynamo_backend", "no", "--main_process_port", str(port)]
+        else:
+            launch = ["--config_file", os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes",
+                      "2", "--mixed_precision", "no", "--main_process_port", str(port),
+                      os.path.join(ROOT, "tests", "engine_on_cpu.py")]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, os.path.join(ROOT, script), *args]
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if result.returncode == 0 or EXIT_ABORT not in result.stderr or attempt == 1:
             return result

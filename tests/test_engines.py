@@ -1,9 +1,9 @@
 """Both scripts under the engines of accelerate_configs/ on the CPU: DeepSpeed ZeRO-2 / ZeRO-3 (and
 ZeRO-3 with offload) in one process give the same losses, gradient norms and final weights as a
 plain run, save a from_pretrained-loadable model, and resume exactly; flags an engine cannot
-honour fail before any model loads. FSDP2 runs on two CPU processes and matches DDP there, and
-resumes exactly from its sharded checkpoint. Several processes under DeepSpeed need GPUs
-(tests/gpu/test_gpu_engines.py)."""
+honour fail before any model loads. On two CPU processes every engine config (ZeRO-2, ZeRO-3,
+ZeRO-3 offload, FSDP2) matches DDP on the same two processes, and FSDP2 resumes exactly from its
+sharded checkpoint. The same configs on GPUs: tests/gpu/test_gpu_engines.py."""
 import json
 import os
 import subprocess
@@ -150,39 +150,61 @@ def test_the_scripts_refuse_before_loading_a_model(tmp_path):
     assert "role " not in result.stdout and not (tmp_path / "metrics.jsonl").exists()  # no model was loaded
 
 
-@pytest.mark.skip(reason="DeepSpeed with 2 CPU processes does not run under accelerate 1.15: asked for CPU processes it "
-                         "sets up DDP and drops DeepSpeed (state.py: the DeepSpeed branch requires `not cpu`); without "
-                         "the CPU flag it counts one process while DeepSpeed's group has two. Two processes are "
-                         "tested on GPUs: tests/gpu/test_gpu_engines.py")
-def test_deepspeed_zero2_two_cpu_processes():
-    pass
+TWO_PROCESS_ARGS = ["--save_steps", "2", "--logprob_chunk_size", "8", "--use_gradient_checkpointing"]
 
 
-FSDP2_CASES = [("train_grpo.py", []), ("train_grpo.py", ["--gather_for_generation", "false"]), ("train_ppo.py", [])]
-
-
-@pytest.mark.parametrize("script, extra", FSDP2_CASES, ids=["grpo", "grpo-layerwise-generation", "ppo"])
-def test_fsdp2_two_cpu_processes_match_ddp(tmp_path, script, extra):
-    """FSDP2 on two CPU processes (gloo; accelerate's FSDP2 setup, see tests/fsdp_on_cpu.py) with the
-    chunked LM head and checkpointing: the losses, gradient norms and final weights of DDP with the
-    same two processes; the checkpoint is sharded (one part per process) and the final model is one
-    from_pretrained-loadable folder."""
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """Each script under accelerate_configs/multi_gpu.yaml (DDP) on two CPU processes: the
+    reference the engines must match with the same two processes."""
     from helpers import launch_two_cpu_processes
 
-    args = COMMON + SCRIPT_ARGS[script] + ["--save_steps", "2", "--logprob_chunk_size", "8",
-                                           "--use_gradient_checkpointing", *extra]
-    ddp = launch_two_cpu_processes(script, args + ["--output_dir", str(tmp_path / "ddp")])
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    fsdp = launch_two_cpu_processes(script, args + ["--output_dir", str(tmp_path / "fsdp2")], fsdp2=True)
-    assert fsdp.returncode == 0, fsdp.stdout[-2000:] + fsdp.stderr[-4000:]
-    assert "num_processes=2" in fsdp.stdout
-    shards = sorted(f for f in os.listdir(tmp_path / "fsdp2" / "checkpoint-2" / "pytorch_model_fsdp_0")
-                    if f.endswith(".distcp"))
-    assert shards == ["__0_0.distcp", "__1_0.distcp"], shards  # FSDP2 really ran: one shard per process
-    _assert_same_run(tmp_path / "ddp", tmp_path / "fsdp2")
+    out = {}
+    for script, extra in SCRIPT_ARGS.items():
+        path = tmp_path_factory.mktemp("ddp_" + script.split(".")[0])
+        result = launch_two_cpu_processes(script, COMMON + extra + TWO_PROCESS_ARGS + ["--output_dir", str(path)],
+                                          config="multi_gpu")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "num_processes=2" in result.stdout
+        out[script] = path
+    return out
+
+
+# what each engine's save_state writes for the first model of a checkpoint
+CHECKPOINT_OF = {"deepspeed_zero2": "pytorch_model", "deepspeed_zero3": "pytorch_model",
+                 "deepspeed_zero3_offload": "pytorch_model", "fsdp2": "pytorch_model_fsdp_0"}
+
+
+@pytest.mark.parametrize("script", list(SCRIPT_ARGS))
+@pytest.mark.parametrize("config, extra", [
+    ("deepspeed_zero2", []),
+    ("deepspeed_zero3", []),
+    ("deepspeed_zero3_offload", []),
+    ("fsdp2", []),
+    ("fsdp2", ["--gather_for_generation", "false"]),
+], ids=["zero2", "zero3", "zero3-offload", "fsdp2", "fsdp2-layerwise-generation"])
+def test_engines_on_two_cpu_processes_match_ddp(ddp_runs, tmp_path, script, config, extra):
+    """Each engine config on two CPU processes (gloo; tests/engine_on_cpu.py keeps the engine that
+    accelerate would drop on CPU) with the chunked LM head and checkpointing: the losses, gradient
+    norms and final weights of DDP with the same two processes; the engine's own checkpoint format,
+    sharded per process where the engine shards; one from_pretrained-loadable final folder. Under
+    ZeRO-2 the script itself also checks that both ranks end with equal weights."""
+    from helpers import launch_two_cpu_processes
+
+    if script == "train_ppo.py" and extra:  # one generation variant is enough
+        pytest.skip("covered by train_grpo.py")
+    args = COMMON + SCRIPT_ARGS[script] + TWO_PROCESS_ARGS + extra
+    result = launch_two_cpu_processes(script, args + ["--output_dir", str(tmp_path)], config=config)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "num_processes=2" in result.stdout
+    saved = tmp_path / "checkpoint-2" / CHECKPOINT_OF[config]
+    assert saved.is_dir(), sorted(os.listdir(tmp_path / "checkpoint-2"))  # the engine's format: it really ran
+    if config == "fsdp2":
+        assert sorted(f for f in os.listdir(saved) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    _assert_same_run(ddp_runs[script], tmp_path)
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp2" / "final")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "final")
 
 
 def test_fsdp2_resumes_exactly(tmp_path):
@@ -190,14 +212,15 @@ def test_fsdp2_resumes_exactly(tmp_path):
     and resumed from the sharded checkpoint to 3: the weights of 3 steps at once."""
     from helpers import launch_two_cpu_processes
 
-    args = ["--max_steps", "3", "--per_device_train_batch_size", "32"]
-    straight = launch_two_cpu_processes("train_ppo.py", args + ["--output_dir", str(tmp_path / "a")], fsdp2=True)
+    args = ["--per_device_train_batch_size", "32"]
+    straight = launch_two_cpu_processes("train_ppo.py", ["--max_steps", "3", *args, "--output_dir",
+                                                         str(tmp_path / "a")], config="fsdp2")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = launch_two_cpu_processes("train_ppo.py", ["--max_steps", "2", *args[2:], "--output_dir",
-                                                      str(tmp_path / "b")], fsdp2=True)
+    first = launch_two_cpu_processes("train_ppo.py", ["--max_steps", "2", *args, "--output_dir", str(tmp_path / "b")],
+                                     config="fsdp2")
     assert first.returncode == 0 and (tmp_path / "b" / "checkpoint-2" / "pytorch_model_fsdp_1").is_dir()
-    resumed = launch_two_cpu_processes("train_ppo.py", args + ["--output_dir", str(tmp_path / "b"),
-                                                               "--resume_from_checkpoint", "latest"], fsdp2=True)
+    resumed = launch_two_cpu_processes("train_ppo.py", ["--max_steps", "3", *args, "--output_dir", str(tmp_path / "b"),
+                                                        "--resume_from_checkpoint", "latest"], config="fsdp2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     wa, wb = load_file(tmp_path / "a" / "final" / "model.safetensors"), \
         load_file(tmp_path / "b" / "final" / "model.safetensors")
