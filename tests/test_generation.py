@@ -48,6 +48,48 @@ def test_greedy_tokens_equal_generate_with_left_padding_and_eos():
     assert ours[2].tolist() != [True] * 4  # some rows ended with EOS
 
 
+def test_keys_in_bf16_change_no_token_under_autocast(monkeypatch):
+    """--mixed_precision bf16 over float32 weights: RoPE leaves keys in float32, values in bf16, and
+    the static cache stores the keys in bf16 (below). Attention rounds them so anyway: the same
+    tokens as keeping them in float32 (which transformers 5.24 does by itself). (Against `generate`
+    itself bf16 greedy paths split at near-ties, as any two kernel shapes do.)"""
+    from utils import generation
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+        monkeypatch.setattr(generation, "_store_keys_as_values", lambda cache: None)
+        float_keys = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    assert torch.equal(ours, float_keys)
+
+
+def test_keys_are_stored_in_the_values_dtype():
+    """transformers 5.17's StaticCache layer sizes both buffers by the keys' dtype (the GPU image's
+    version; it failed there under autocast): with the keys cast to the values' dtype first it
+    stores both, the keys rounded as attention under autocast would round them."""
+    from types import SimpleNamespace
+
+    from utils.generation import _store_keys_as_values
+
+    class Layer517:  # what transformers 5.17's StaticLayer does on its first update
+        def update(self, key_states, value_states, cache_position):
+            shape = (*key_states.shape[:2], 8, key_states.shape[-1])
+            self.keys = torch.zeros(shape, dtype=key_states.dtype)
+            self.values = torch.zeros(shape, dtype=key_states.dtype)
+            self.keys.index_copy_(2, cache_position, key_states)
+            self.values.index_copy_(2, cache_position, value_states)
+            return self.keys, self.values
+
+    keys, values = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4).bfloat16()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        Layer517().update(keys, values, torch.arange(3))
+    cache = SimpleNamespace(layers=[Layer517()])
+    _store_keys_as_values(cache)
+    stored_keys, stored_values = cache.layers[0].update(keys, values, torch.arange(3))
+    assert torch.equal(stored_keys[:, :, :3], keys.bfloat16()) and torch.equal(stored_values[:, :, :3], values)
+
+
 def test_sampling_logits_equal_generate_logits_processors():
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 

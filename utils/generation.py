@@ -61,6 +61,8 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
     B, P = input_ids.shape
     device = input_ids.device
     cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
+    if torch.is_autocast_enabled(device.type):
+        _store_keys_as_values(cache)
     mask = torch.cat([attention_mask, attention_mask.new_zeros(B, max_new_tokens)], dim=1)  # [B, P + N]
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding
     eos = torch.tensor(eos_token_ids, device=device)
@@ -90,6 +92,17 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
         token = step(token, position, torch.tensor([P + t], device=device), mask)
         position = position + 1
     return torch.stack(tokens, dim=1)
+
+
+def _store_keys_as_values(cache):
+    """Under autocast (--mixed_precision bf16 over float32 weights), RoPE leaves the keys in float32
+    and the values in bf16; transformers 5.17's StaticCache sizes both buffers by the keys' dtype and
+    then cannot store the values. Attention casts both to bf16 under autocast anyway, so the keys
+    are stored in the values' dtype: the same numbers as `generate`'s cache, half its key bytes."""
+    for layer in cache.layers:
+        def update(key_states, value_states, *args, _update=layer.update, **kwargs):
+            return _update(key_states.to(value_states.dtype), value_states, *args, **kwargs)
+        layer.update = update
 
 
 @torch.no_grad()

@@ -90,6 +90,10 @@ def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm, loss)
     if deepspeed:  # it clipped and stepped at the last micro-batch's backward (utils.engines.backward)
         norm = model.get_global_grad_norm()
         grad_norm = torch.tensor(float("nan") if norm is None else float(norm), device=loss.device)
+    elif accelerator.is_fsdp2:  # accelerate's clip compares parameter lists, which fails with two models (PPO)
+        accelerator.unscale_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor
     else:
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
     loss = accelerator.reduce(loss.detach().clone(), reduction="sum")
