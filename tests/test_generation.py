@@ -64,30 +64,24 @@ def test_keys_in_bf16_change_no_token_under_autocast(monkeypatch):
     assert torch.equal(ours, float_keys)
 
 
-def test_keys_are_stored_in_the_values_dtype():
-    """transformers 5.17's StaticCache layer sizes both buffers by the keys' dtype (the GPU image's
-    version; it failed there under autocast): with the keys cast to the values' dtype first it
-    stores both, the keys rounded as attention under autocast would round them."""
-    from types import SimpleNamespace
+def test_static_cache_under_accelerate_bf16_with_transformers_5_17_buffers(monkeypatch):
+    """accelerate's --mixed_precision bf16 starts autocast inside the model's forward; RoPE leaves
+    the keys in float32, the values in bf16. transformers 5.17 (the GPU image's version, where this
+    failed) sizes a static layer's value buffer by the keys' dtype: emulated here on 5.24's layer.
+    The static loop stores keys in the values' dtype, so both fit."""
+    from accelerate import Accelerator
+    from transformers.cache_utils import StaticLayer
 
-    from utils.generation import _store_keys_as_values
+    init = StaticLayer.lazy_initialization
 
-    class Layer517:  # what transformers 5.17's StaticLayer does on its first update
-        def update(self, key_states, value_states, cache_position):
-            shape = (*key_states.shape[:2], 8, key_states.shape[-1])
-            self.keys = torch.zeros(shape, dtype=key_states.dtype)
-            self.values = torch.zeros(shape, dtype=key_states.dtype)
-            self.keys.index_copy_(2, cache_position, key_states)
-            self.values.index_copy_(2, cache_position, value_states)
-            return self.keys, self.values
+    def like_5_17(self, key_states, value_states=None):
+        init(self, key_states, key_states)  # both buffers in the keys' dtype
 
-    keys, values = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4).bfloat16()
-    with pytest.raises(RuntimeError, match="same dtype"):
-        Layer517().update(keys, values, torch.arange(3))
-    cache = SimpleNamespace(layers=[Layer517()])
-    _store_keys_as_values(cache)
-    stored_keys, stored_values = cache.layers[0].update(keys, values, torch.arange(3))
-    assert torch.equal(stored_keys[:, :, :3], keys.bfloat16()) and torch.equal(stored_values[:, :, :3], values)
+    monkeypatch.setattr(StaticLayer, "lazy_initialization", like_5_17)
+    model, tokenizer, ids, mask = _model_and_prompts()
+    model = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+    out = static_cache_generate(model, ids, mask, 6, 1.0, 1.0, 0, [10**9], tokenizer.pad_token_id, greedy=True)
+    assert out.shape == (4, 6)
 
 
 def test_sampling_logits_equal_generate_logits_processors():

@@ -61,8 +61,7 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
     B, P = input_ids.shape
     device = input_ids.device
     cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
-    if torch.is_autocast_enabled(device.type):
-        _store_keys_as_values(cache)
+    _store_keys_as_values(cache)  # autocast may start only inside the forward (accelerate wraps it)
     mask = torch.cat([attention_mask, attention_mask.new_zeros(B, max_new_tokens)], dim=1)  # [B, P + N]
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding
     eos = torch.tensor(eos_token_ids, device=device)
@@ -98,7 +97,8 @@ def _store_keys_as_values(cache):
     """Under autocast (--mixed_precision bf16 over float32 weights), RoPE leaves the keys in float32
     and the values in bf16; transformers 5.17's StaticCache sizes both buffers by the keys' dtype and
     then cannot store the values. Attention casts both to bf16 under autocast anyway, so the keys
-    are stored in the values' dtype: the same numbers as `generate`'s cache, half its key bytes."""
+    are stored in the values' dtype: the same numbers as `generate`'s cache, half its key bytes.
+    Without autocast both have one dtype and nothing changes."""
     for layer in cache.layers:
         def update(key_states, value_states, *args, _update=layer.update, **kwargs):
             return _update(key_states.to(value_states.dtype), value_states, *args, **kwargs)
