@@ -22,6 +22,7 @@ never samples eos) and prints, from the run's metrics.jsonl: the median step tim
 
 Results go to <out>/throughput_<shape>_<script>.json.
 """
+import hashlib
 import json
 import os
 import shlex
@@ -159,7 +160,8 @@ def main(argv=None):
           f"{ceilings['matmul_tflops']:.1f} TFLOP/s", flush=True)
     cache_dir, out = os.path.abspath(args.cache_dir), os.path.abspath(args.out)
     model_dir, tok_dir, dataset = prepare_inputs(args.shape, args.script, args.steps, cache_dir, on_gpu)
-    run_dir = os.path.join(cache_dir, "runs", f"throughput_{args.shape}_{args.script}")
+    tag = hashlib.sha1(" ".join(flags).encode()).hexdigest()[:8]  # runs with other flags never share a folder
+    run_dir = os.path.join(cache_dir, "runs", f"throughput_{args.shape}_{args.script}_{tag}")
     cmd = command(args.shape, args.script, model_dir, tok_dir, dataset, run_dir, args.steps, flags)
     result = run_config("throughput", flags, cmd, run_dir, echo=True)
     if result["status"] != "ok":
