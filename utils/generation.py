@@ -71,13 +71,15 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
 
     def decode_step(token, position, cache_position, mask):
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
-                       cache_position=cache_position, use_cache=True).logits[:, -1]
+                       cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1]
         return pick(logits)
 
     step = torch.compile(decode_step, mode="reduce-overhead", fullgraph=False) if compile_step else decode_step
+    # prefill: only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits)
     logits = model(input_ids=input_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=cache,
-                   cache_position=torch.arange(P, device=device), use_cache=True).logits[:, -1]
+                   cache_position=torch.arange(P, device=device), use_cache=True, logits_to_keep=1).logits[:, -1]
     token = pick(logits)
+    cache_positions = torch.arange(P, P + max_new_tokens, device=device)  # sliced per step: no host-to-device copy
     position = positions[:, -1:] + 1
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens = []
@@ -88,7 +90,7 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
             break
         mask[:, P + t] = 1
-        token = step(token, position, torch.tensor([P + t], device=device), mask)
+        token = step(token, position, cache_positions[t:t + 1], mask)
         position = position + 1
     return torch.stack(tokens, dim=1)
 
