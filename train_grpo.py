@@ -333,7 +333,7 @@ def main(argv=None):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [b, P]
             prompt_ids = prompt_ids.repeat_interleave(G, 0)  # [B, P], B = b * G
             prompt_mask = prompt_mask.repeat_interleave(G, 0)
-            with gathered_for_generation(engine, unwrapped, args.gather_for_generation):  # ZeRO-3, FSDP2
+            with gathered_for_generation(engine, model, args.gather_for_generation):  # ZeRO-3, FSDP2
                 completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
                     unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids,
                     args.generation_batch_size, args.generation_backend), "generate", kind="generation")  # [B, C] x2, [B]

@@ -391,7 +391,7 @@ def main(argv=None):
         # 1. rollout: one completion per prompt, ending at EOS or --stop_token
         with timer.phase("generate"):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [B, P]
-            with gathered_for_generation(engine, unwrapped_actor, args.gather_for_generation):  # ZeRO-3, FSDP2
+            with gathered_for_generation(engine, actor, args.gather_for_generation):  # ZeRO-3, FSDP2
                 completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
                     unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
                     args.generation_batch_size, args.generation_backend), "generate", kind="generation")  # [B, C] x2, [B]
