@@ -48,6 +48,15 @@ def test_greedy_tokens_equal_generate_with_left_padding_and_eos():
     assert ours[2].tolist() != [True] * 4  # some rows ended with EOS
 
 
+def test_compiled_step_gives_the_greedy_tokens_of_generate():
+    """The compiled decoding step (torch.compile; CUDA graphs only on GPUs, so here the compiled
+    kernels and the loop's output handling) gives generate's greedy tokens."""
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    ours = static_cache_generate(model, ids, mask, 10, 1.0, 1.0, 0, [10**9], pad, greedy=True, compile_step=True)
+    assert torch.equal(ours, _hf_greedy(model, ids, mask, 10, [10**9], pad))
+
+
 def test_static_loop_sends_one_position_per_row_through_the_lm_head():
     """The prefill asks for the last position's logits only: [B, 1, V], never [B, P, V] (at the
     qwen2.5-1.5b shape, 128 x 256 prompts, that was 20 GB of float32 logits on the H200)."""

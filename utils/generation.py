@@ -90,7 +90,11 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
             break
         mask[:, P + t] = 1
-        token = step(token, position, cache_positions[t:t + 1], mask)
+        if compile_step:  # the CUDA graph's outputs are overwritten by its next replay: copy the token out
+            torch.compiler.cudagraph_mark_step_begin()
+            token = step(token, position, cache_positions[t:t + 1], mask).clone()
+        else:
+            token = step(token, position, cache_positions[t:t + 1], mask)
         position = position + 1
     return torch.stack(tokens, dim=1)
 

@@ -67,3 +67,17 @@ def test_two_processes_per_config(config, script, local_model, tmp_path):
     if config in ("multi_gpu", "deepspeed_zero2"):  # whole replicas: the script compared them, and says so
         prints = dict(re.findall(r"\[rank (\d)\] final weights fingerprint: (\([^)]*\))", stdout))
         assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_processes_place_frozen_roles_on_their_own_gpus(local_model, local_reward_model, tmp_path):
+    """DDP with two processes on two GPUs, PPO's reward model on `cuda:0` and the reference on the
+    CPU: `cuda:0` means each process's own first GPU, so rank 1's roles land on physical GPU 1 and
+    each rank's peak is on its own GPU only."""
+    args = run_args("train_ppo.py", local_model, tmp_path) + ["--reward_model_name_or_path", local_reward_model,
+                                                              "--reward_device", "cuda:0", "--ref_device", "cpu"]
+    result = launch("multi_gpu", "train_ppo.py", 2, args)
+    check_run(result, tmp_path, 2)
+    peaks = dict(re.findall(r"\[rank (\d)\] peak GPU memory allocated: (.*)", result.stdout))
+    assert set(peaks) == {"0", "1"}, result.stdout[-2000:]
+    assert "cuda:1" not in peaks["0"] and "cuda:0" not in peaks["1"], peaks  # no rank touched the other's GPU
