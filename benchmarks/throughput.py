@@ -81,7 +81,7 @@ def flag_value(flags, name, default=None):
 
 def roofline(shape_name, script, flags, result, ceilings) -> dict:
     """The ratios of the module docstring, from one run's summary (benchmarks.memory.summarize)."""
-    from utils.plan import load_shape
+    from utils.plan import kv_bytes_per_token, load_shape
 
     shape = load_shape(shape_name)
     work = workload_flags(shape_name, script)
@@ -96,11 +96,10 @@ def roofline(shape_name, script, flags, result, ceilings) -> dict:
         weight_bytes = 0.55
     elif "--load_in_8bit" in flags:
         weight_bytes = 1.05
-    kv_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V
     slice_rows = min(int(flag_value(flags, "--generation_batch_size", rows)), rows)
     slices = -(-rows // slice_rows)
     context = prompt_len + mean_len / 2
-    floor_per_step = slices * (shape.params * weight_bytes + slice_rows * context * kv_per_token) / (
+    floor_per_step = slices * (shape.params * weight_bytes + slice_rows * context * kv_bytes_per_token(shape)) / (
         ceilings["bandwidth_gb_s"] * 1e9)
     phases = result["phases"]
     out = dict(rows=rows, new_tokens=new_tokens, decode_floor_ms=floor_per_step * 1e3)

@@ -36,17 +36,23 @@ def assert_same_weights(a, b):
 EXIT_ABORT = "terminate called without an active exception"
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now, so back-to-back launches never collide."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_two_cpu_processes(script, args, timeout=600, config=None):
     """The launch line that really starts two CPU processes (../shared/machine-notes.md). With
     `config` (a name in accelerate_configs/), that config's launch, its engine kept on the CPU
     processes by tests/engine_on_cpu.py (accelerate keeps DeepSpeed and FSDP for accelerators)."""
-    import socket
     import warnings
 
     for attempt in range(2):
-        with socket.socket() as s:  # a free port, so back-to-back launches never collide
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1")
         if config is None:
             launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",

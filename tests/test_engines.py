@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, metrics_of, run_script
+from helpers import ROOT, assert_same_weights, metrics_of, run_script
 
 COMMON = ["--max_steps", "3", "--lr_scheduler_type", "linear", "--warmup_steps", "1", "--max_grad_norm", "0.5"]
 SCRIPT_ARGS = {"train_grpo.py": ["--per_device_train_batch_size", "64"], "train_ppo.py": []}
@@ -114,10 +114,7 @@ def test_deepspeed_zero3_resumes_exactly(tmp_path):
                                                                 str(tmp_path / "b"), "--resume_from_checkpoint",
                                                                 "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    wa, wb = load_file(tmp_path / "a" / "final" / "model.safetensors"), \
-        load_file(tmp_path / "b" / "final" / "model.safetensors")
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+    assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")
     steps = [json.loads(line)["step"] for line in open(tmp_path / "b" / "metrics.jsonl")]
     assert steps == [1, 2, 3]  # the resumed run appended the step it ran, nothing twice
 
@@ -156,13 +153,11 @@ def test_zero3_generation_runs_without_deepspeed_hooks(tmp_path):
     puts them all back: the next training step runs. (On 2 CPU cores the toy model's generate phase
     went from 0.11 to 0.08 s per step, the plain run's time.)"""
     import re
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from helpers import free_port
+
     (tmp_path / "hooks.py").write_text(ZERO3_HOOKS_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(port), ROOT=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(free_port()), ROOT=ROOT)
     result = subprocess.run([sys.executable, str(tmp_path / "hooks.py")], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -270,7 +265,4 @@ def test_fsdp2_resumes_exactly(tmp_path):
     resumed = launch_two_cpu_processes("train_ppo.py", ["--max_steps", "3", *args, "--output_dir", str(tmp_path / "b"),
                                                         "--resume_from_checkpoint", "latest"], config="fsdp2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    wa, wb = load_file(tmp_path / "a" / "final" / "model.safetensors"), \
-        load_file(tmp_path / "b" / "final" / "model.safetensors")
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+    assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")

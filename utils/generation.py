@@ -74,7 +74,13 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
                        cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1]
         return pick(logits)
 
-    step = torch.compile(decode_step, mode="reduce-overhead", fullgraph=False) if compile_step else decode_step
+    step = decode_step
+    if compile_step:
+        compiled = torch.compile(decode_step, mode="reduce-overhead", fullgraph=False)
+
+        def step(*inputs):  # the CUDA graph's outputs are overwritten by its next replay: copy the token out
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*inputs).clone()
     # prefill: only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits)
     logits = model(input_ids=input_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=cache,
                    cache_position=torch.arange(P, device=device), use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -90,11 +96,7 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
             break
         mask[:, P + t] = 1
-        if compile_step:  # the CUDA graph's outputs are overwritten by its next replay: copy the token out
-            torch.compiler.cudagraph_mark_step_begin()
-            token = step(token, position, cache_positions[t:t + 1], mask).clone()
-        else:
-            token = step(token, position, cache_positions[t:t + 1], mask)
+        token = step(token, position, cache_positions[t:t + 1], mask)
         position = position + 1
     return torch.stack(tokens, dim=1)
 

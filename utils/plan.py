@@ -113,10 +113,18 @@ def _frozen_bytes(shape, params, quant):
 
 def owned_gpus(num_processes) -> int:
     """The GPUs each process owns (utils/placement.py: with several processes, --ref_device cuda:1
-    names a process's own second GPU); 1 without GPUs."""
+    names a process's own second GPU): the last rank's count, the fewest; 1 without GPUs."""
     import torch
 
-    return max(1, torch.cuda.device_count() // num_processes) if torch.cuda.is_available() else 1
+    from utils.placement import own_gpus
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(1, len(own_gpus(num_processes - 1, num_processes, count)))
+
+
+def kv_bytes_per_token(shape) -> int:
+    """The KV cache of one token: keys and values of every layer, in bf16."""
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
 
 
 def _other_gpu(device) -> bool:
@@ -179,8 +187,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     comp["reward/weights"] = (0 if not reward_state or args.reward_device == "cpu" or reward_elsewhere else
                               max(shape.embedding_params, shape.linear_params // shape.layers) * 2
                               if args.reward_device == "offload" else reward_state)
-    kv_bytes_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
-    comp["generate/kv_cache"] = gen_rows * T * kv_bytes_per_token
+    comp["generate/kv_cache"] = gen_rows * T * kv_bytes_per_token(shape)
     comp["generate/prefill"] = gen_rows * P * shape.hidden * PREFILL_BYTES + gen_rows * shape.vocab * 8
     # micro-batch of the update and the no-grad passes
     if args.use_dynamic_bsz:

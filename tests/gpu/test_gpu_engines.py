@@ -4,7 +4,6 @@ checkpoint at step 2, the final model loadable with from_pretrained; under DDP a
 itself checks that the ranks end with equal weights."""
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from gpu_fixtures import local_model  # noqa: F401 (fixture)
-from helpers import ROOT, metrics_of
+from helpers import ROOT, free_port, metrics_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -21,9 +20,7 @@ SCRIPTS = {"train_grpo.py": ["--num_generations", "4"], "train_ppo.py": []}
 
 
 def launch(config, script, num_processes, args, timeout=600):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", str(num_processes),
            "--main_process_port", str(port), os.path.join(ROOT, script), *args]
