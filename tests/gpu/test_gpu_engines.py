@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from gpu_fixtures import local_model  # noqa: F401 (fixture)
+from gpu_fixtures import local_model, local_reward_model  # noqa: F401 (fixtures)
 from helpers import ROOT, free_port, metrics_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
