@@ -174,6 +174,8 @@ def test_zero3_generation_runs_without_deepspeed_hooks(tmp_path):
     (["--actor_device", "cuda:1"], "zero2", "--actor_device cuda:1 under zero2"),
     (["--ref_device", "cpu"], "zero3", "--ref_device cpu under zero3"),
     ([], "fsdp1", "FSDP version 1"),
+    (["--generation_backend", "cudagraph"], "zero3", "--generation_backend cudagraph under zero3"),
+    (["--generation_backend", "compiled"], "fsdp2", "--generation_backend compiled under fsdp2"),
 ])
 def test_flags_an_engine_cannot_honour_fail_early(flags, engine, message):
     import train_grpo

@@ -53,8 +53,61 @@ def test_compiled_step_gives_the_greedy_tokens_of_generate():
     kernels and the loop's output handling) gives generate's greedy tokens."""
     model, tokenizer, ids, mask = _model_and_prompts()
     pad = tokenizer.pad_token_id
-    ours = static_cache_generate(model, ids, mask, 10, 1.0, 1.0, 0, [10**9], pad, greedy=True, compile_step=True)
+    ours = static_cache_generate(model, ids, mask, 10, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled")
     assert torch.equal(ours, _hf_greedy(model, ids, mask, 10, [10**9], pad))
+
+
+def test_compiled_step_is_reused_by_the_next_rollout_without_recompiling():
+    """The compiled pair (static cache, step) stays with the model: a second rollout of other
+    prompts of the same shape compiles nothing new, empties the cache first (its tokens are
+    still generate's) and reuses the same cache tensors. The uncompiled loop keeps nothing."""
+    from torch._dynamo.utils import counters
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    static_cache_generate(model, ids, mask, 10, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    assert "_lean_rl_decoder" not in model.__dict__
+    static_cache_generate(model, ids, mask, 10, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled")
+    cache = model.__dict__["_lean_rl_decoder"][1]
+    keys = cache.layers[0].keys.data_ptr()
+    compiled_frames = counters["frames"]["ok"]
+    other = torch.flip(ids, dims=[0]), torch.flip(mask, dims=[0])  # other rows, same shape
+    ours = static_cache_generate(model, *other, 10, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled")
+    assert counters["frames"]["ok"] == compiled_frames  # nothing compiled again
+    assert model.__dict__["_lean_rl_decoder"][1] is cache and cache.layers[0].keys.data_ptr() == keys
+    assert torch.equal(ours, _hf_greedy(model, *other, 10, [10**9], pad))
+
+
+def test_packed_gqa_attention_equals_sdpa_with_repeated_heads():
+    """One query token, 12 query heads over 2 key/value heads, a padding mask: the packed
+    attention equals SDPA on keys and values repeated per query head (what transformers runs)."""
+    from types import SimpleNamespace
+
+    from utils.generation import packed_gqa_attention
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 12, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    mask = torch.rand(3, 1, 1, 40) > 0.3
+    module = SimpleNamespace(num_key_value_groups=6, is_causal=True, training=False)
+    ours, _ = packed_gqa_attention(module, query, key, value, mask, scaling=0.25)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(6, dim=1), value.repeat_interleave(6, dim=1), attn_mask=mask, scale=0.25)
+    assert ours.shape == (3, 1, 12, 16)
+    torch.testing.assert_close(ours, repeated.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_static_loop_decodes_through_the_packed_attention_and_restores_sdpa(monkeypatch):
+    from utils import generation
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    calls = []
+    real = generation.packed_gqa_attention
+    monkeypatch.setattr(generation, "packed_gqa_attention", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < 4  # grouped heads
+    static_cache_generate(model, ids, mask, 5, 1.0, 1.0, 0, [10**9], tokenizer.pad_token_id, greedy=True)
+    layers = model.config.num_hidden_layers
+    assert calls == [ids.shape[1]] * layers + [1] * 4 * layers  # prefill (delegated), then 4 decoding steps
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_static_loop_sends_one_position_per_row_through_the_lm_head():

@@ -36,7 +36,7 @@ class SharedArgs:
     param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use; one process only. Same math."})
     offload_policy: str = field(default="embedding,lm_head", metadata={"help": "Comma list for --param_offload: embedding (input embeddings), lm_head (output embeddings), or names of Linear/Embedding modules."})
     generation_batch_size: Optional[int] = field(default=None, metadata={"help": "Generate rollouts this many prompts' completions at a time (smaller KV cache); default: all at once."})
-    generation_backend: Literal["hf", "static", "compiled"] = field(default="hf", metadata={"help": "Rollouts with transformers' generate (hf), or this project's loop over a static KV cache (static), with its decoding step compiled into CUDA graphs (compiled; GPU only, static elsewhere). Same sampling distribution (temperature, top-k, top-p, EOS); other random draws."})
+    generation_backend: Literal["hf", "static", "cudagraph", "compiled"] = field(default="hf", metadata={"help": "Rollouts with transformers' generate (hf), or this project's loop over a static KV cache (static), with each decoding step replayed as one captured CUDA graph (cudagraph), or compiled with torch.compile and then captured (compiled; a minute of compiling at start). cudagraph/compiled: GPU only (static elsewhere); they keep their KV cache allocated between rollouts. Same sampling distribution (temperature, top-k, top-p, EOS); other random draws."})
     gather_for_generation: bool = field(default=True, metadata={"help": "Under DeepSpeed ZeRO-3 or FSDP2: gather the policy's full weights once for each rollout (one full copy in memory during generation); false: each layer is gathered at every decoding step (less memory, much slower). No effect otherwise."})
     log_memory_every: int = field(default=0, metadata={"help": "Print each role's GPU/CPU bytes (weights, gradients, optimizer state) and the phase peaks every N steps and at the end; 0: never."})
     memory_report: Optional[str] = field(default=None, metadata={"help": "Folder for memory.json, memory_timeline.png (phase peaks across steps) and memory_breakdown.png (roles x weights/gradients/optimizer, phases' transient memory), written at the end."})
@@ -193,6 +193,14 @@ def check_memory_args(args, num_processes=1):
     if args.param_offload and num_processes > 1:
         raise UsageError(f"--param_offload keeps trained weights on the CPU, which DDP cannot wrap; it needs one process "
                          f"(got {num_processes})")
+    if args.generation_backend in ("cudagraph", "compiled"):
+        moving = ("--param_offload (the offloaded weights are copied to the GPU anew at each rollout)"
+                  if args.param_offload else "--actor_device balanced (the layers live on several GPUs)"
+                  if args.actor_device == "balanced" else None)
+        if moving:
+            raise UsageError(f"--generation_backend {args.generation_backend} replays a CUDA graph that reads the "
+                             f"weights at fixed addresses, which {moving} does not keep; use --generation_backend "
+                             "static")
     if args.param_offload and not [p for p in args.offload_policy.split(",") if p.strip()]:
         raise UsageError("--param_offload needs --offload_policy (e.g. embedding,lm_head)")
 

@@ -47,6 +47,10 @@ def check_engine_args(args, engine, trained_roles=("actor",)):
     if args.optim != "adamw_torch":
         raise UsageError(f"--optim {args.optim} {where}: the engine shards the optimizer state already; use "
                          "--optim adamw_torch")
+    if sharded and getattr(args, "generation_backend", "hf") in ("cudagraph", "compiled"):
+        raise UsageError(f"--generation_backend {args.generation_backend} {where}: the gathered weights get new "
+                         "addresses at each rollout, which a replayed CUDA graph cannot follow; use --generation_backend "
+                         "static (or hf)")
     if engine == "fsdp2" and args.torch_dtype == "bfloat16":
         raise UsageError("--torch_dtype bfloat16 under fsdp2: the sharded weights would be stepped in bf16, where "
                          "RL-sized updates round away; keep float32 weights (FSDP2 computes in bf16 under "

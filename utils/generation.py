@@ -1,5 +1,7 @@
 """Sampling completions with `generate` and marking where each one ends."""
 
+from contextlib import contextmanager
+
 import torch
 
 from utils.memory import fake_oom_check
@@ -50,41 +52,33 @@ def sample_from(logits, generator=None):
 
 @torch.no_grad()
 def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, eos_token_ids,
-                          pad_token_id, compile_step=False, greedy=False, check_every=16):
-    """--generation_backend static / compiled: the same sampling as `generate` (sampling_logits)
-    from a static KV cache, so every decoding step has the same shapes: with compile_step the
-    step is compiled once (torch.compile, CUDA graphs) and replayed. No host synchronisation per
-    token: whether every row has finished is asked every `check_every` steps. Returns the new
-    tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens."""
-    from transformers import StaticCache
+                          pad_token_id, step_mode="eager", greedy=False, check_every=16):
+    """--generation_backend static / cudagraph / compiled: the same sampling as `generate`
+    (sampling_logits) from a static KV cache, so every decoding step has the same shapes and the
+    step can be replayed as one CUDA graph (step_mode cudagraph: the eager step captured;
+    compiled: the torch.compile'd step captured; on a CPU, eager and compiled-without-graph). No
+    host synchronisation per token: whether every row has finished is asked every `check_every`
+    steps. Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens."""
+    P = input_ids.shape[1]
+    cache_len = -(-(P + max_new_tokens) // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE  # a few shapes, not one per P
+    with packed_gqa_decoding(model):
+        return _static_loop(model, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p, greedy),
+                            eos_token_ids, pad_token_id, step_mode, check_every, cache_len)
 
+
+def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_ids, pad_token_id, step_mode,
+                 check_every, cache_len):
     B, P = input_ids.shape
     device = input_ids.device
-    cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
-    _store_keys_as_values(cache)  # autocast may start only inside the forward (accelerate wraps it)
-    mask = torch.cat([attention_mask, attention_mask.new_zeros(B, max_new_tokens)], dim=1)  # [B, P + N]
+    cache, step = _decoder(model, B, cache_len, sampling, step_mode, device)
+    mask = torch.zeros(B, cache_len, dtype=torch.long, device=device)  # [B, cache_len]
+    mask[:, :P] = attention_mask
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding
     eos = torch.tensor(eos_token_ids, device=device)
-
-    def pick(logits):
-        return logits.argmax(dim=-1) if greedy else sample_from(sampling_logits(logits, temperature, top_k, top_p))
-
-    def decode_step(token, position, cache_position, mask):
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
-                       cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1]
-        return pick(logits)
-
-    step = decode_step
-    if compile_step:
-        compiled = torch.compile(decode_step, mode="reduce-overhead", fullgraph=False)
-
-        def step(*inputs):  # the CUDA graph's outputs are overwritten by its next replay: copy the token out
-            torch.compiler.cudagraph_mark_step_begin()
-            return compiled(*inputs).clone()
     # prefill: only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits)
     logits = model(input_ids=input_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=cache,
                    cache_position=torch.arange(P, device=device), use_cache=True, logits_to_keep=1).logits[:, -1]
-    token = pick(logits)
+    token = _pick(logits, *sampling)
     cache_positions = torch.arange(P, P + max_new_tokens, device=device)  # sliced per step: no host-to-device copy
     position = positions[:, -1:] + 1
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -99,6 +93,128 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
         token = step(token, position, cache_positions[t:t + 1], mask)
         position = position + 1
     return torch.stack(tokens, dim=1)
+
+
+CACHE_LEN_MULTIPLE = 128  # the static cache's length is prompt + new tokens rounded up to this
+PACKED_GQA = "lean_rl_packed_gqa_sdpa"  # the attention implementation's registered name
+
+
+def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                         **kwargs):
+    """transformers' SDPA attention, except for one query token with grouped key/value heads
+    (decoding, GQA models: Qwen2, Llama 3): the query heads that share a key/value head become
+    that head's rows, query [B, Hq, 1, D] -> [B, Hkv, Hq/Hkv, D], so the cache is read as it is.
+    transformers' SDPA path with a mask (as a static cache needs) copies every layer's keys and
+    values Hq/Hkv times first (`repeat_kv`: 17 GB per step at qwen2.5-1.5b, 128 rows, 768
+    positions); transformers 5.24 packs like this outside torch.compile only. Same numbers."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, dim = query.shape
+    groups = heads // key.shape[1]
+    mask_shared = attention_mask is None or attention_mask.shape[1] == 1
+    if q_len != 1 or groups == 1 or not mask_shared or dropout or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    packed = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None  # [B, 1, Hq, D]
+
+
+@contextmanager
+def packed_gqa_decoding(model):
+    """A model on transformers' SDPA attention runs packed_gqa_attention for the rollout (its
+    masks made as SDPA's); any other attention implementation is left alone."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_GQA, packed_gqa_attention)
+    AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)
+    config._attn_implementation = PACKED_GQA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def _pick(logits, temperature, top_k, top_p, greedy):
+    return logits.argmax(dim=-1) if greedy else sample_from(sampling_logits(logits, temperature, top_k, top_p))
+
+
+def _decoder(model, batch, cache_len, sampling, step_mode, device):
+    """(static KV cache, decoding step(token [B], position [B, 1], cache_position [1], mask [B, L])
+    -> next token [B]) for `model`. A captured or compiled pair is kept on the model for its next
+    rollouts (the cache emptied each time): the graph replays into the same cache tensors and
+    nothing is compiled or captured again, for the price of the cache staying allocated between
+    rollouts. The eager step gets a fresh cache each call (freed with it)."""
+    from transformers import StaticCache
+
+    graph = step_mode in ("cudagraph", "compiled") and device.type == "cuda"
+    keep = graph or step_mode == "compiled"
+    key = (batch, cache_len, sampling, step_mode)
+    held = model.__dict__.pop("_lean_rl_decoder", None)  # another shape: the old cache is freed before the new one
+    if keep and held is not None and held[0] == key:
+        model.__dict__["_lean_rl_decoder"] = held
+        _, cache, step = held
+        cache.reset()  # zeros and position 0: stale keys and values never meet the mask as NaN * 0
+        return cache, step
+    del held
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    _store_keys_as_values(cache)  # autocast may start only inside the forward (accelerate wraps it)
+
+    def forward(token, position, cache_position, mask):
+        return model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
+                     cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    if step_mode == "compiled":  # fused kernels (the graph is captured below); the random draw stays eager
+        forward = torch.compile(forward, fullgraph=False, dynamic=False)
+
+    def step(token, position, cache_position, mask):
+        return _pick(forward(token, position, cache_position, mask), *sampling)
+
+    if graph:
+        step = _captured(model, cache, step, batch, cache_len, device)
+    if keep:
+        model.__dict__["_lean_rl_decoder"] = (key, cache, step)  # lives (and dies) with the model
+    return cache, step
+
+
+def _captured(model, cache, step, batch, cache_len, device, warmup=3):
+    """`step` recorded once as a CUDA graph (torch.cuda.graph) and replayed at every decoding
+    step: one launch instead of one per kernel (about a thousand per step for a 28-layer model,
+    where the launches, not the GPU, set the pace). The inputs are copied into the graph's own
+    buffers, the output copied out. The cache is filled by a one-token prefill so that its
+    tensors exist, warmed up on a side stream (cuBLAS workspaces, compilation), captured, then
+    emptied: its tensors keep their addresses, which the graph reads and writes."""
+    token = torch.zeros(batch, dtype=torch.long, device=device)
+    position = torch.ones(batch, 1, dtype=torch.long, device=device)
+    mask = torch.zeros(batch, cache_len, dtype=torch.long, device=device)
+    mask[:, :2] = 1
+    model(input_ids=token[:, None], attention_mask=mask[:, :1], position_ids=position - 1, past_key_values=cache,
+          cache_position=torch.arange(1, device=device), use_cache=True, logits_to_keep=1)
+    inputs = (token, position, torch.ones(1, dtype=torch.long, device=device), mask)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step(*inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step(*inputs)
+    cache.reset()
+
+    def replay(*new_inputs):
+        for buffer, value in zip(inputs, new_inputs):
+            buffer.copy_(value)
+        graph.replay()
+        return output.clone()
+
+    replay.graph = graph  # keeps the graph (and its memory pool) alive with the step
+    return replay
 
 
 def _store_keys_as_values(cache):
@@ -118,7 +234,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                          backend="hf"):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_batch_size: a smaller KV cache; default all at once), with `generate`
-    (backend hf) or static_cache_generate (static; compiled: its decoding step compiled).
+    (backend hf) or static_cache_generate (static; cudagraph: its decoding step replayed as one
+    CUDA graph; compiled: compiled, then replayed as one CUDA graph).
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
@@ -145,14 +262,14 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                     new = model.generate(input_ids=ids, attention_mask=mask,
                                          generation_config=generation_config)[:, ids.shape[1]:]
                 else:
-                    if backend == "compiled" and device.type != "cuda":
+                    if backend in ("cudagraph", "compiled") and device.type != "cuda":
                         import warnings
 
-                        warnings.warn("--generation_backend compiled needs a GPU (CUDA graphs); using static")
+                        warnings.warn(f"--generation_backend {backend} needs a GPU (CUDA graphs); using static")
                     gc = generation_config
+                    step_mode = {"static": "eager"}.get(backend, backend) if device.type == "cuda" else "eager"
                     new = static_cache_generate(model, ids, mask, gc.max_new_tokens, gc.temperature, gc.top_p or 1.0,
-                                                gc.top_k or 0, eos_token_ids, gc.pad_token_id,
-                                                compile_step=backend == "compiled" and device.type == "cuda")
+                                                gc.top_k or 0, eos_token_ids, gc.pad_token_id, step_mode=step_mode)
                 slices.append(new.to(prompt_ids.device))
     finally:
         model.train(was_training)

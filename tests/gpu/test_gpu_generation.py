@@ -1,5 +1,6 @@
-"""--generation_backend static / compiled on a GPU (skipped without CUDA): greedy tokens equal
-`generate` in float32, the compiled step included, and a script trains with it."""
+"""--generation_backend static / cudagraph / compiled on a GPU (skipped without CUDA): greedy
+tokens equal `generate` in float32 (also on the replayed graph's second rollout), every replay
+draws fresh random numbers, memory stays near the KV cache, and a script trains with each."""
 import pytest
 import torch
 
@@ -9,12 +10,13 @@ from helpers import metrics_of
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("compile_step", [False, True], ids=["static", "compiled"])
-def test_greedy_tokens_equal_generate_on_gpu(compile_step):
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+MODES = ["eager", "cudagraph", "compiled"]
+
+
+def _small_model_and_prompts():
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from utils import toy
-    from utils.generation import static_cache_generate
 
     tokenizer = toy.build_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -23,19 +25,43 @@ def test_greedy_tokens_equal_generate_on_gpu(compile_step):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).cuda().eval()
     enc = tokenizer(["1+2=", "12+34=", "7+7=", "100+1="], return_tensors="pt", padding=True, padding_side="left")
-    ids, mask = enc["input_ids"].cuda(), enc["attention_mask"].cuda()
-    pad, no_eos = tokenizer.pad_token_id, [10**9]
-    ours = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, no_eos, pad, compile_step=compile_step,
-                                 greedy=True)
-    reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
-        max_new_tokens=48, do_sample=False, pad_token_id=pad, eos_token_id=no_eos))[:, ids.shape[1]:]
-    assert ours.shape == reference.shape and len(set(ours.flatten().tolist())) > 3
-    agree = (ours == reference).float().mean().item()
-    print(f"\n{'compiled' if compile_step else 'static'}: {agree:.1%} of greedy tokens equal generate's")
-    assert torch.equal(ours, reference)
+    return model, tokenizer.pad_token_id, enc["input_ids"].cuda(), enc["attention_mask"].cuda()
 
 
-@pytest.mark.parametrize("backend", ["static", "compiled"])
+@pytest.mark.parametrize("step_mode", MODES)
+def test_greedy_tokens_equal_generate_on_gpu(step_mode):
+    """Twice: the second rollout (other prompts, same shape) replays the kept graph into the
+    emptied cache."""
+    from transformers import GenerationConfig
+
+    from utils.generation import static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    no_eos = [10**9]
+    for prompts in [(ids, mask), (ids.flip(0), mask.flip(0))]:
+        ours = static_cache_generate(model, *prompts, 48, 1.0, 1.0, 0, no_eos, pad, step_mode=step_mode, greedy=True)
+        reference = model.generate(input_ids=prompts[0], attention_mask=prompts[1], generation_config=GenerationConfig(
+            max_new_tokens=48, do_sample=False, pad_token_id=pad, eos_token_id=no_eos))[:, ids.shape[1]:]
+        assert ours.shape == reference.shape and len(set(ours.flatten().tolist())) > 3
+        agree = (ours == reference).float().mean().item()
+        print(f"\n{step_mode}: {agree:.1%} of greedy tokens equal generate's")
+        assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("step_mode", MODES)
+def test_every_replayed_step_draws_new_random_numbers(step_mode):
+    """At a huge temperature every token is (nearly) uniform over the vocabulary: a graph that
+    replayed the same random numbers would repeat one token per row at every step."""
+    from utils.generation import static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    out = static_cache_generate(model, ids, mask, 64, 1e6, 1.0, 0, [10**9], pad, step_mode=step_mode)
+    distinct_per_row = [len(set(row.tolist())) for row in out]
+    print(f"\n{step_mode}: distinct tokens per row of 64: {distinct_per_row}")
+    assert min(distinct_per_row) > 20, distinct_per_row
+
+
+@pytest.mark.parametrize("backend", ["static", "cudagraph", "compiled"])
 def test_grpo_trains_with_the_backend_on_gpu(run, tmp_path, local_model, backend):
     result = run(["--model_name_or_path", local_model, "--max_steps", "3", "--prompts_per_step", "8",
                   "--num_generations", "4", "--max_completion_length", "32", "--generation_backend", backend,
@@ -46,8 +72,8 @@ def test_grpo_trains_with_the_backend_on_gpu(run, tmp_path, local_model, backend
     print(f"\n{backend}: generate {rows[-1]['time/generate']:.2f} s, step {rows[-1]['time/step']:.2f} s")
 
 
-@pytest.mark.parametrize("compile_step", [False, True], ids=["static", "compiled"])
-def test_generation_memory_and_step_time_on_gpu(compile_step):
+@pytest.mark.parametrize("step_mode", MODES)
+def test_generation_memory_and_step_time_on_gpu(step_mode):
     """A 32k vocabulary, 128 rows x 256 prompt tokens under bf16 autocast over float32 weights, as
     the scripts generate: the loop's peak above the weights stays near the static KV cache (the
     prefill once built [B, P, V] float32 logits, 4.2 GB here; the compiled loop then held every
@@ -76,13 +102,13 @@ def test_generation_memory_and_step_time_on_gpu(compile_step):
             start = time.perf_counter()
             with torch.no_grad():
                 if name == "ours":
-                    static_cache_generate(model, ids, mask, steps, 1.0, 1.0, 0, [10**9], 0, compile_step=compile_step)
+                    static_cache_generate(model, ids, mask, steps, 1.0, 1.0, 0, [10**9], 0, step_mode=step_mode)
                 else:
                     model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
                         max_new_tokens=steps, min_new_tokens=steps, do_sample=True, pad_token_id=0))
             torch.cuda.synchronize()
             timings[name] = ((time.perf_counter() - start) / steps * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**30)
     ours, theirs = timings["ours"], timings["generate"]
-    print(f"\n{'compiled' if compile_step else 'static'}: {ours[0]:.2f} ms per step, peak +{ours[1]:.2f} GiB | "
+    print(f"\n{step_mode}: {ours[0]:.2f} ms per step, peak +{ours[1]:.2f} GiB | "
           f"generate: {theirs[0]:.2f} ms, +{theirs[1]:.2f} GiB | KV cache {kv_bytes / 2**30:.2f} GiB")
     assert ours[1] < 3 * kv_bytes / 2**30 + 1.0, timings
