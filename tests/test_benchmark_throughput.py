@@ -47,3 +47,13 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     data = json.load(open(tmp_path / "throughput_tiny_grpo.json"))
     assert data["flags"] == ["--use_gradient_checkpointing"] and data["result"]["steps"] == 2
     assert data["roofline"]["decode_fraction_of_floor"] > 0
+
+
+def test_decode_step_benchmark_runs_on_the_cpu(capsys):
+    """benchmarks/decode_step.py end to end at the tiny shape (the numbers mean nothing on a CPU)."""
+    from benchmarks import decode_step
+
+    decode_step.main(["--shape", "tiny", "--rows", "2", "--prompt_length", "4", "--short", "2", "--long", "4",
+                      "--backends", "static,hf", "--dtypes", "fp32"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "ms per step" in line]
+    assert [line.split()[1] for line in lines] == ["static", "hf"], lines

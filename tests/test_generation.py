@@ -78,6 +78,21 @@ def test_compiled_step_is_reused_by_the_next_rollout_without_recompiling():
     assert torch.equal(ours, _hf_greedy(model, *other, 10, [10**9], pad))
 
 
+def test_empty_cache_between_phases_drops_the_kept_decoder():
+    """generate_completions(keep_decoder=False), as --empty_cache_between_phases asks, leaves no
+    KV cache or graph on the model after the rollout; by default they stay for the next one."""
+    from utils.generation import build_generation_config, generate_completions
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    static_cache_generate(model, ids, mask, 4, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled")
+    config = build_generation_config(4, 1.0, 1.0, 0, pad, [10**9])
+    generate_completions(model, ids, mask, config, [10**9])
+    assert "_lean_rl_decoder" in model.__dict__
+    generate_completions(model, ids, mask, config, [10**9], keep_decoder=False)
+    assert "_lean_rl_decoder" not in model.__dict__
+
+
 def test_packed_gqa_attention_equals_sdpa_with_repeated_heads():
     """One query token, 12 query heads over 2 key/value heads, a padding mask: the packed
     attention equals SDPA on keys and values repeated per query head (what transformers runs)."""

@@ -45,7 +45,7 @@ class SharedArgs:
     plan: bool = field(default=False, metadata={"help": "Print the memory planner's estimate (per role, component and phase) and the cheapest flags that fit (utils/plan.py), then exit; nothing loads."})
     auto_memory: bool = field(default=False, metadata={"help": "Apply the memory planner's flags, then train."})
     gpu_memory: Optional[str] = field(default=None, metadata={"help": "GPU memory to plan for with --plan / --auto_memory, e.g. 80GiB; default: this process's GPU."})
-    empty_cache_between_phases: bool = field(default=False, metadata={"help": "Return cached GPU memory to the driver after each phase (generate, ref, update...), so one phase's KV cache and logits do not crowd the next. Costs allocator time."})
+    empty_cache_between_phases: bool = field(default=False, metadata={"help": "Return cached GPU memory to the driver after each phase (generate, ref, update...), so one phase's KV cache and logits do not crowd the next (--generation_backend cudagraph/compiled then also drop their KV cache and CUDA graph after each rollout and capture them again at the next). Costs allocator time."})
     # --- LoRA (PEFT): the reference is then the policy with its adapter disabled, no second copy
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights (actor, and the critic with its value head fully trained)."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

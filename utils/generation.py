@@ -231,11 +231,13 @@ def _store_keys_as_values(cache):
 
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
-                         backend="hf"):
+                         backend="hf", keep_decoder=True):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_batch_size: a smaller KV cache; default all at once), with `generate`
     (backend hf) or static_cache_generate (static; cudagraph: its decoding step replayed as one
-    CUDA graph; compiled: compiled, then replayed as one CUDA graph).
+    CUDA graph; compiled: compiled, then replayed as one CUDA graph). keep_decoder=False
+    (--empty_cache_between_phases): those two drop their KV cache and graph after the rollout,
+    so the next phases get that memory back, and capture them again at the next rollout.
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
@@ -273,6 +275,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                 slices.append(new.to(prompt_ids.device))
     finally:
         model.train(was_training)
+        if not keep_decoder:
+            model.__dict__.pop("_lean_rl_decoder", None)
     width = max(s.shape[1] for s in slices)  # slices stop when their own rows finish
     completion_ids = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in slices])
     return completion_ids_and_mask(completion_ids, eos_token_ids, pad)
