@@ -222,3 +222,94 @@ def test_scripts_train_with_the_static_backend(run, tmp_path, script):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "needs a GPU" in result.stderr  # compiled falls back to static on the CPU, and says so
     assert len(metrics_of(tmp_path)) == 3
+
+
+def _lora_policy(model):
+    """LoRA on q/v with B away from zero (a trained adapter's delta is not zero)."""
+    from utils.modeling import apply_lora
+
+    policy = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules="q_proj,v_proj")
+    torch.manual_seed(1)
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    return policy
+
+
+def test_generation_copy_is_the_bf16_policy_and_follows_its_updates():
+    """Full-parameter: the copy holds the policy's weights in bf16; after an optimizer-like change
+    the next refresh writes them into the same tensors (a captured graph stays valid)."""
+    from utils.generation import generation_copy
+
+    model, *_ = _model_and_prompts()
+    copy = generation_copy(model)
+    assert copy is not model and not any(p.requires_grad for p in copy.parameters())
+    expected = {name: p.to(torch.bfloat16) for name, p in model.state_dict().items()}
+    assert all(torch.equal(p, expected[name]) for name, p in copy.state_dict().items())
+    pointers = [p.data_ptr() for p in copy.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    assert generation_copy(model) is copy and [p.data_ptr() for p in copy.parameters()] == pointers
+    assert torch.equal(copy.model.layers[0].mlp.up_proj.weight,
+                       model.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16))
+    assert "_lean_rl_generation_copy" not in dict(model.named_modules()) and not any(
+        "generation_copy" in name for name in model.state_dict())
+
+
+def test_generation_copy_merges_lora_as_merge_and_unload_does():
+    """LoRA: each adapted weight is W + (alpha / r) B A, as peft's merge_and_unload computes it on a
+    deep copy; and generating from the copy gives that merged model's greedy tokens (bf16)."""
+    from copy import deepcopy
+
+    from utils.generation import generation_copy
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    policy = _lora_policy(model)
+    merged = deepcopy(policy).merge_and_unload()
+    copy = generation_copy(policy)
+    reference = {name: p.to(torch.bfloat16) for name, p in merged.state_dict().items()}
+    assert set(copy.state_dict()) == set(reference)
+    assert all(torch.equal(p, reference[name]) for name, p in copy.state_dict().items())
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert not torch.equal(reference[q], policy.get_base_model().state_dict()[q.replace("q_proj.", "q_proj.base_layer.")]
+                           .to(torch.bfloat16))  # the adapter changed it: the check means something
+    pad = tokenizer.pad_token_id
+    ours = static_cache_generate(copy, ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    theirs = static_cache_generate(merged.to(torch.bfloat16), ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    assert torch.equal(ours, theirs)
+
+
+def test_generation_copy_dequantises_4bit_weights_and_merges_the_adapter(tmp_path):
+    """QLoRA (bitsandbytes 4-bit on the CPU): adapted weights are dequantize_4bit(W) + (alpha / r)
+    B A, unadapted 4-bit weights dequantize_4bit(W), the rest cast."""
+    import bitsandbytes.functional as bnbf
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    from utils.generation import generation_copy
+
+    model, *_ = _model_and_prompts()
+    model.save_pretrained(tmp_path / "m")
+    quantised = LlamaForCausalLM.from_pretrained(tmp_path / "m", quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))
+    policy = _lora_policy(quantised)
+    copy = generation_copy(policy)
+    layer = policy.get_base_model().model.layers[0]
+    q = layer.self_attn.q_proj
+    base = bnbf.dequantize_4bit(q.base_layer.weight.data, q.base_layer.weight.quant_state).float()
+    expected_q = base + 2.0 * (q.lora_B["default"].weight.float() @ q.lora_A["default"].weight.float())
+    torch.testing.assert_close(copy.model.layers[0].self_attn.q_proj.weight.float(), expected_q.to(torch.bfloat16).float())
+    up = layer.mlp.up_proj  # not adapted: dequantised only
+    assert type(up.weight).__name__ == "Params4bit"
+    torch.testing.assert_close(copy.model.layers[0].mlp.up_proj.weight.float(),
+                               bnbf.dequantize_4bit(up.weight.data, up.weight.quant_state).to(torch.bfloat16).float())
+    assert torch.equal(copy.model.norm.weight, policy.get_base_model().model.norm.weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_scripts_train_lora_generating_from_the_merged_copy(run, tmp_path, script):
+    result = run(["--max_steps", "2", "--use_lora", "--generation_copy", "--output_dir", str(tmp_path),
+                  "--save_strategy", "no"], script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(tmp_path)
+    assert len(rows) == 2 and all(r["optim/grad_norm"] > 0 for r in rows)

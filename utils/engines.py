@@ -51,6 +51,9 @@ def check_engine_args(args, engine, trained_roles=("actor",)):
         raise UsageError(f"--generation_backend {args.generation_backend} {where}: the gathered weights get new "
                          "addresses at each rollout, which a replayed CUDA graph cannot follow; use --generation_backend "
                          "static (or hf)")
+    if sharded and getattr(args, "generation_copy", False):
+        raise UsageError(f"--generation_copy {where}: each rank holds a shard of the weights, not the whole copy "
+                         "to refresh; generate from the gathered weights (leave --generation_copy off)")
     if engine == "fsdp2" and args.torch_dtype == "bfloat16":
         raise UsageError("--torch_dtype bfloat16 under fsdp2: the sharded weights would be stepped in bf16, where "
                          "RL-sized updates round away; keep float32 weights (FSDP2 computes in bf16 under "

@@ -1,6 +1,6 @@
 """Sampling completions with `generate` and marking where each one ends."""
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -231,19 +231,24 @@ def _store_keys_as_values(cache):
 
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
-                         backend="hf", keep_decoder=True):
+                         backend="hf", keep_decoder=True, from_copy=False):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_batch_size: a smaller KV cache; default all at once), with `generate`
     (backend hf) or static_cache_generate (static; cudagraph: its decoding step replayed as one
     CUDA graph; compiled: compiled, then replayed as one CUDA graph). keep_decoder=False
     (--empty_cache_between_phases): those two drop their KV cache and graph after the rollout,
     so the next phases get that memory back, and capture them again at the next rollout.
+    from_copy (--generation_copy): generate from generation_copy(model) instead (dropped after
+    the rollout too with keep_decoder=False).
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
     (no EOS within max_new_tokens), all on the device of `prompt_ids`."""
     from utils.offload import resident
 
+    policy = model
+    if from_copy:
+        model = generation_copy(policy)
     device = model_input_device(model)
     pad = generation_config.pad_token_id
     batch_size = batch_size or prompt_ids.shape[0]
@@ -255,7 +260,7 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
         model.eval()
     slices = []
     try:
-        with resident(model):  # --param_offload: one GPU copy of the offloaded weights for the whole phase
+        with resident(policy) if not from_copy else nullcontext():  # --param_offload: the weights on the GPU for the phase
             for start in range(0, prompt_ids.shape[0], batch_size):
                 rows = slice(start, start + batch_size)
                 fake_oom_check(prompt_ids[rows].shape[0])
@@ -277,9 +282,55 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
         model.train(was_training)
         if not keep_decoder:
             model.__dict__.pop("_lean_rl_decoder", None)
+            policy.__dict__.pop("_lean_rl_generation_copy", None)
     width = max(s.shape[1] for s in slices)  # slices stop when their own rows finish
     completion_ids = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in slices])
     return completion_ids_and_mask(completion_ids, eos_token_ids, pad)
+
+
+@torch.no_grad()
+def generation_copy(policy):
+    """--generation_copy: a plain bf16 model of the policy's architecture, on the policy's input
+    device, kept with the policy and refreshed in place before each rollout (fixed addresses, so a
+    captured decoding graph stays valid): LoRA adapters merged into their base weights (W + the
+    adapter's delta, peft's get_delta_weight), 4-bit and 8-bit weights dequantised (peft's
+    dequantize_module_weight), everything else cast. Generation then reads full bf16 matrices once
+    per step instead of dequantising 4-bit blocks or adding the adapter's path at every layer,
+    and runs in bf16 throughout; the training forward keeps its own numerics. Costs one bf16 copy
+    of the model's weights in memory."""
+    from copy import deepcopy
+
+    from transformers import AutoModelForCausalLM
+    from peft.utils.integrations import dequantize_module_weight
+
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    copy = policy.__dict__.get("_lean_rl_generation_copy")
+    if copy is None:
+        config = deepcopy(base.config)
+        config.__dict__.pop("quantization_config", None)
+        with torch.device(model_input_device(policy)):
+            copy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        copy.eval().requires_grad_(False)
+        policy.__dict__["_lean_rl_generation_copy"] = copy  # not a submodule: outside state_dict and optimizer
+    sources = dict(base.named_modules())
+    for name, module in copy.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        source = sources[name]
+        lora = hasattr(source, "base_layer") and hasattr(source, "lora_A")
+        layer = source.base_layer if lora else source
+        for pname, param in own.items():
+            if pname == "weight" and hasattr(layer, "weight"):
+                value = dequantize_module_weight(layer).to(torch.float32)
+                if lora:
+                    for adapter in source.active_adapters:
+                        if adapter in source.lora_A:
+                            value = value + source.get_delta_weight(adapter).to(torch.float32)
+            else:
+                value = getattr(layer, pname)
+            param.copy_(value)
+    return copy
 
 
 def completion_ids_and_mask(completion_ids, eos_token_ids, pad_token_id):

@@ -112,3 +112,34 @@ def test_generation_memory_and_step_time_on_gpu(step_mode):
     print(f"\n{step_mode}: {ours[0]:.2f} ms per step, peak +{ours[1]:.2f} GiB | "
           f"generate: {theirs[0]:.2f} ms, +{theirs[1]:.2f} GiB | KV cache {kv_bytes / 2**30:.2f} GiB")
     assert ours[1] < 3 * kv_bytes / 2**30 + 1.0, timings
+
+
+def test_captured_step_reads_the_refreshed_generation_copy():
+    """--generation_copy with a captured step: the policy changes, the copy is refreshed in place,
+    and the replayed graph (kept from the first rollout) decodes with the new weights: its greedy
+    tokens equal an eager rollout of the refreshed copy."""
+    from utils.generation import generation_copy, static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    copy = generation_copy(model)
+    before = static_cache_generate(copy, ids, mask, 24, 1.0, 1.0, 0, [10**9], pad, step_mode="cudagraph", greedy=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    assert generation_copy(model) is copy
+    after = static_cache_generate(copy, ids, mask, 24, 1.0, 1.0, 0, [10**9], pad, step_mode="cudagraph", greedy=True)
+    eager = static_cache_generate(copy, ids, mask, 24, 1.0, 1.0, 0, [10**9], pad, step_mode="eager", greedy=True)
+    assert not torch.equal(before, after) and torch.equal(after, eager)
+
+
+@pytest.mark.parametrize("quantised", [False, True], ids=["lora", "qlora"])
+def test_grpo_trains_lora_generating_from_the_copy_on_gpu(run, tmp_path, local_model, quantised):
+    result = run(["--model_name_or_path", local_model, "--max_steps", "3", "--prompts_per_step", "8",
+                  "--num_generations", "4", "--max_completion_length", "32", "--use_lora", "--generation_copy",
+                  "--generation_backend", "compiled", "--output_dir", str(tmp_path), "--save_strategy", "no"]
+                 + (["--load_in_4bit"] if quantised else []))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(tmp_path)
+    assert len(rows) == 3 and all(r["optim/grad_norm"] > 0 for r in rows)
+    print(f"\n{'QLoRA' if quantised else 'LoRA'} + copy: generate {rows[-1]['time/generate']:.2f} s, "
+          f"step {rows[-1]['time/step']:.2f} s")
