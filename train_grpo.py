@@ -185,9 +185,9 @@ def main(argv=None):
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
     from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
                               host_peak_rss_gib)
-    from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync, eos_token_ids,
-                                frozen_dtype, load_causal_lm, load_tokenizer, lora_kwargs, quantization_of,
-                                resolve_mixed_precision)
+    from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
+                                compile_repeated_blocks, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
+                                lora_kwargs, quantization_of, resolve_mixed_precision)
     from utils.offload import ParamOffload, enable_activation_offload, resident
     from utils.ops import batched_completion_logprobs, completion_logprobs, plan_micro_batches
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
@@ -250,6 +250,8 @@ def main(argv=None):
         model = apply_lora(model, **lora_kwargs(args))
     # train mode: from_pretrained returns eval mode, where transformers skips gradient checkpointing
     model = place_model(model, placements["actor"]).train()
+    if args.torch_compile:
+        compile_repeated_blocks(model)
     if args.param_offload:
         ParamOffload(model, args.offload_policy, home)
     table = [("actor", placements["actor"], True)]
@@ -261,6 +263,8 @@ def main(argv=None):
                                    args.trust_remote_code, True, seed=args.seed, quantization=quantization_of(args),
                                    device=placements["ref"].device)
         ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
+        if args.torch_compile:
+            compile_repeated_blocks(ref_model)
         table.append(("ref", placements["ref"], False))
     reward_model = None
     if args.reward_model_name_or_path:

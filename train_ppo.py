@@ -229,8 +229,9 @@ def main(argv=None):
     from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
                               host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
-                                check_same_vocabulary, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
-                                load_value_model, lora_kwargs, quantization_of, resolve_mixed_precision)
+                                check_same_vocabulary, compile_repeated_blocks, eos_token_ids, frozen_dtype,
+                                load_causal_lm, load_tokenizer, load_value_model, lora_kwargs, quantization_of,
+                                resolve_mixed_precision)
     from utils.offload import ParamOffload, enable_activation_offload, resident
     from utils.ops import (batched_completion_logprobs, completion_logprobs, completion_values, masked_sum,
                            masked_whiten, plan_micro_batches)
@@ -301,6 +302,9 @@ def main(argv=None):
     # train mode: from_pretrained returns eval mode, where transformers skips gradient checkpointing
     actor = place_model(actor, placements["actor"]).train()
     critic = place_model(critic, placements["critic"]).train()
+    if args.torch_compile:
+        for model in (actor, critic):
+            compile_repeated_blocks(model)
     if args.param_offload:
         ParamOffload(actor, args.offload_policy, placements["actor"].device)
         ParamOffload(critic, args.offload_policy, placements["critic"].device, strict=False)
@@ -315,6 +319,8 @@ def main(argv=None):
                                    args.trust_remote_code, True, seed=args.seed, quantization=quantization_of(args),
                                    device=placements["ref"].device)
         ref_model = place_model(ref_model.requires_grad_(False).eval(), placements["ref"])
+        if args.torch_compile:
+            compile_repeated_blocks(ref_model)
         table.append(("ref", placements["ref"], False))
     reward_model = None
     if args.reward_model_name_or_path:

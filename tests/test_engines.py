@@ -177,6 +177,7 @@ def test_zero3_generation_runs_without_deepspeed_hooks(tmp_path):
     (["--generation_backend", "cudagraph"], "zero3", "--generation_backend cudagraph under zero3"),
     (["--generation_backend", "compiled"], "fsdp2", "--generation_backend compiled under fsdp2"),
     (["--generation_copy"], "zero3", "--generation_copy under zero3"),
+    (["--torch_compile"], "fsdp2", "--torch_compile under fsdp2"),
 ])
 def test_flags_an_engine_cannot_honour_fail_early(flags, engine, message):
     import train_grpo

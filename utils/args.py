@@ -17,6 +17,7 @@ class SharedArgs:
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(default="auto", metadata={"help": "Autocast dtype for forward passes; auto: bf16 on a GPU that supports it, else no. Overrides accelerate's config."})
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = field(default="sdpa", metadata={"help": "Attention kernel; flash_attention_2 needs the optional flash-attn package and a GPU."})
     use_gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward (non-reentrant) instead of storing them, in every trained model."})
+    torch_compile: bool = field(default=False, metadata={"help": "Compile each decoder layer of the trained models and the reference in place (regional compilation with torch.compile): fused kernels for the norms, RoPE and activations in every forward and backward. Compiles during the first steps. Not under ZeRO-3/FSDP2."})
     use_chat_template: Optional[bool] = field(default=None, metadata={"help": "Wrap prompts in the tokenizer's chat template; default: when the tokenizer has one."})
     system_prompt: Optional[str] = field(default=None, metadata={"help": "System message put before each prompt (chat template) or a line before it (raw)."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub (from_pretrained's trust_remote_code)."})

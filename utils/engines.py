@@ -51,6 +51,9 @@ def check_engine_args(args, engine, trained_roles=("actor",)):
         raise UsageError(f"--generation_backend {args.generation_backend} {where}: the gathered weights get new "
                          "addresses at each rollout, which a replayed CUDA graph cannot follow; use --generation_backend "
                          "static (or hf)")
+    if sharded and getattr(args, "torch_compile", False):
+        raise UsageError(f"--torch_compile {where}: the engine wraps each layer with its own gathering hooks, which "
+                         "the compiled layers are not tested with; leave --torch_compile off (or use DDP/ZeRO-2)")
     if sharded and getattr(args, "generation_copy", False):
         raise UsageError(f"--generation_copy {where}: each rank holds a shard of the weights, not the whole copy "
                          "to refresh; generate from the gathered weights (leave --generation_copy off)")

@@ -236,3 +236,20 @@ def param_fingerprint(model) -> tuple:
         total += p64.sum().item()
         squares += (p64 * p64).sum().item()
     return (total, squares)
+
+
+def compile_repeated_blocks(model) -> int:
+    """--torch_compile: regional compilation, in place. Every block of the model's repeated layer
+    list (its decoder layers: a ModuleList of one class) gets torch.compile through Module.compile,
+    so one compilation serves all of them and the weights, state_dict keys and optimizer stay as
+    they are. Returns how many blocks were compiled."""
+    from accelerate.utils.other import is_repeated_blocks
+
+    def visit(module):
+        if is_repeated_blocks(module) and len(module) > 1:
+            for block in module:
+                block.compile()
+            return len(module)
+        return sum(visit(child) for child in module.children())
+
+    return visit(model)
