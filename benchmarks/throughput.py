@@ -96,6 +96,8 @@ def roofline(shape_name, script, flags, result, ceilings) -> dict:
         weight_bytes = 0.55
     elif "--load_in_8bit" in flags:
         weight_bytes = 1.05
+    if "--generation_copy" in flags:  # generation reads the bf16 copy
+        weight_bytes = 2
     slice_rows = min(int(flag_value(flags, "--generation_batch_size", rows)), rows)
     slices = -(-rows // slice_rows)
     context = prompt_len + mean_len / 2

@@ -33,6 +33,13 @@ def test_roofline_against_a_hand_count():
     assert sliced["decode_floor_ms"] == pytest.approx(
         4 * (1_543_714_304 * 2 + 32 * 512 * 28 * 2 * 2 * 128 * 2) / 4000e9 * 1e3)
     assert sliced["actor_update_tflops"] == pytest.approx(6 * matmul_params * tokens / 3.0 / 1e12)  # no recompute
+    # QLoRA reads about 0.55 bytes per weight; generating from the bf16 copy reads 2
+    qlora = bench.roofline("qwen2.5-1.5b", "grpo", ["--use_lora", "--load_in_4bit"], result, ceilings)
+    copy = bench.roofline("qwen2.5-1.5b", "grpo", ["--use_lora", "--load_in_4bit", "--generation_copy"], result,
+                          ceilings)
+    kv = 128 * 512 * 28 * 2 * 2 * 128 * 2
+    assert qlora["decode_floor_ms"] == pytest.approx((1_543_714_304 * 0.55 + kv) / 4000e9 * 1e3)
+    assert copy["decode_floor_ms"] == pytest.approx((1_543_714_304 * 2 + kv) / 4000e9 * 1e3)
 
 
 def test_ceilings_are_measured():
