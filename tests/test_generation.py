@@ -93,6 +93,29 @@ def test_empty_cache_between_phases_drops_the_kept_decoder():
     assert "_lean_rl_decoder" not in model.__dict__
 
 
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_slices_grouped_by_prompt_length_give_each_row_its_own_completion(backend):
+    """--generation_batch_size: the rows are generated in slices of similar prompt length, each
+    without the left padding all its rows share, and come back in their order: near-greedy
+    sampling (temperature 1e-4) gives every row the completion it gets in one batch."""
+    from utils.generation import build_generation_config, generate_completions
+
+    model, tokenizer, _, _ = _model_and_prompts()
+    enc = tokenizer(["1+2=", "123+456=", "7=", "10+1=", "99+99+99=", "5+5="], return_tensors="pt", padding=True,
+                    padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    config = build_generation_config(10, 1e-4, 1.0, 0, tokenizer.pad_token_id, [10**9])
+    whole = generate_completions(model, ids, mask, config, [10**9], backend=backend)[0]
+    prefills = []
+    model.model.embed_tokens.register_forward_hook(
+        lambda module, inputs, output: prefills.append(inputs[0].shape) if inputs[0].shape[1] > 1 else None)
+    sliced = generate_completions(model, ids, mask, config, [10**9], batch_size=2, backend=backend)[0]
+    assert len({tuple(row) for row in whole.tolist()}) > 3  # rows differ: a wrong order would show
+    assert torch.equal(sliced, whole)
+    lengths = sorted(mask.sum(dim=1).tolist(), reverse=True)
+    assert [tuple(shape) for shape in prefills] == [(2, lengths[0]), (2, lengths[2]), (2, lengths[4])]
+
+
 def test_packed_gqa_attention_equals_sdpa_with_repeated_heads():
     """One query token, 12 query heads over 2 key/value heads, a padding mask: the packed
     attention equals SDPA on keys and values repeated per query head (what transformers runs)."""

@@ -234,7 +234,8 @@ def _store_keys_as_values(cache):
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
                          backend="hf", keep_decoder=True, from_copy=False):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
-    a time (--generation_batch_size: a smaller KV cache; default all at once), with `generate`
+    a time (--generation_batch_size: a smaller KV cache; default all at once; the slices grouped by
+    prompt length), with `generate`
     (backend hf) or static_cache_generate (static; cudagraph: its decoding step replayed as one
     CUDA graph; compiled: compiled, then replayed as one CUDA graph). keep_decoder=False
     (--empty_cache_between_phases): those two drop their KV cache and graph after the rollout,
@@ -260,12 +261,18 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     if not (getattr(model, "is_loaded_in_4bit", False) and device.type == "cpu"):
         model.eval()
     slices = []
+    # slices of similar prompt lengths (longest first), each without the left padding all its rows
+    # share: shorter prefills and caches; the rows go back to their order at the end
+    order = prompt_mask.sum(dim=1).argsort(descending=True, stable=True) if batch_size < len(prompt_ids) else None
     try:
         with resident(policy) if not from_copy else nullcontext():  # --param_offload: the weights on the GPU for the phase
             for start in range(0, prompt_ids.shape[0], batch_size):
-                rows = slice(start, start + batch_size)
+                rows = slice(start, start + batch_size) if order is None else order[start:start + batch_size]
                 fake_oom_check(prompt_ids[rows].shape[0])
                 ids, mask = prompt_ids[rows].to(device), prompt_mask[rows].to(device)
+                if order is not None:
+                    keep = int(mask.sum(dim=1).max())
+                    ids, mask = ids[:, ids.shape[1] - keep:], mask[:, mask.shape[1] - keep:]
                 if backend == "hf":
                     new = model.generate(input_ids=ids, attention_mask=mask,
                                          generation_config=generation_config)[:, ids.shape[1]:]
@@ -286,6 +293,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
             policy.__dict__.pop("_lean_rl_generation_copy", None)
     width = max(s.shape[1] for s in slices)  # slices stop when their own rows finish
     completion_ids = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in slices])
+    if order is not None:
+        completion_ids = completion_ids[order.argsort().to(completion_ids.device)]
     return completion_ids_and_mask(completion_ids, eos_token_ids, pad)
 
 
