@@ -60,7 +60,7 @@ BAD_INPUTS = [
     (["--use_lora", "--ref_device", "cpu"], "--ref_device cpu: with --use_lora the reference is the policy with its adapter disabled"),
     (["--use_lora", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1)"),
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
-    (["--generation_backend", "cudagraph", "--param_offload"], "--generation_backend cudagraph replays a CUDA graph"),
+    (["--generation_backend", "cudagraph", "--param_offload"], "does not keep; use --generation_backend static, or add --generation_copy"),
     (["--generation_backend", "compiled", "--actor_device", "balanced"], "which --actor_device balanced"),
 ]
 

@@ -197,12 +197,13 @@ def check_memory_args(args, num_processes=1):
                          f"(got {num_processes})")
     if args.generation_backend in ("cudagraph", "compiled"):
         moving = ("--param_offload (the offloaded weights are copied to the GPU anew at each rollout)"
-                  if args.param_offload else "--actor_device balanced (the layers live on several GPUs)"
-                  if args.actor_device == "balanced" else None)
+                  if args.param_offload and not args.generation_copy else
+                  "--actor_device balanced (the layers live on several GPUs)" if args.actor_device == "balanced" else None)
         if moving:
             raise UsageError(f"--generation_backend {args.generation_backend} replays a CUDA graph that reads the "
                              f"weights at fixed addresses, which {moving} does not keep; use --generation_backend "
-                             "static")
+                             "static" + (", or add --generation_copy (a bf16 copy that stays on the GPU)"
+                                         if args.param_offload else ""))
     if args.param_offload and not [p for p in args.offload_policy.split(",") if p.strip()]:
         raise UsageError("--param_offload needs --offload_policy (e.g. embedding,lm_head)")
 
