@@ -53,6 +53,24 @@ def test_estimates_within_15_percent_of_the_h200_runs(shape, flags, measured):
     assert abs(est / measured - 1) <= 0.15, (est, measured)
 
 
+def test_kept_decoder_and_generation_copy_count_in_every_phase_until_emptied():
+    """cudagraph/compiled keep their KV cache (length rounded up to 128) and --generation_copy its
+    bf16 weights through the ref and update phases; --empty_cache_between_phases frees both."""
+    shape = load_shape("qwen2.5-1.5b")
+    base = estimate(shape, _workload(["--generation_backend", "static"]))
+    kept = estimate(shape, _workload(["--generation_backend", "compiled", "--generation_copy"]))
+    freed = estimate(shape, _workload(["--generation_backend", "compiled", "--generation_copy",
+                                       "--empty_cache_between_phases"]))
+    kv = 128 * 768 * 28 * 2 * 2 * 128 * 2  # 256 + 512 tokens: already a multiple of 128
+    copy = 1_543_714_304 * 2
+    assert kept["components"]["generate/kv_cache"] == kv and kept["components"]["generate/copy"] == copy
+    for phase in ("ref", "actor_update"):
+        assert kept["phases"][phase] - base["phases"][phase] == kv + copy
+        assert freed["phases"][phase] == base["phases"][phase]
+    odd = estimate(shape, _workload(["--generation_backend", "cudagraph", "--max_completion_length", "500"]))
+    assert odd["components"]["generate/kv_cache"] == 128 * 768 * 28 * 2 * 2 * 128 * 2  # 756 rounds up to 768
+
+
 def _workload(flags=()):
     return script_args("grpo", WORKLOAD_GRPO + list(flags))
 

@@ -187,7 +187,13 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     comp["reward/weights"] = (0 if not reward_state or args.reward_device == "cpu" or reward_elsewhere else
                               max(shape.embedding_params, shape.linear_params // shape.layers) * 2
                               if args.reward_device == "offload" else reward_state)
-    comp["generate/kv_cache"] = gen_rows * T * kv_bytes_per_token(shape)
+    static_cache = args.generation_backend in ("static", "cudagraph", "compiled")  # length rounded up to 128
+    comp["generate/kv_cache"] = gen_rows * (-(-T // 128) * 128 if static_cache else T) * kv_bytes_per_token(shape)
+    comp["generate/copy"] = shape.params * 2 if args.generation_copy else 0  # --generation_copy: bf16 weights
+    # what a rollout leaves allocated for the next one (a captured decoder's KV cache, the copy), unless
+    # --empty_cache_between_phases drops them
+    kept = 0 if args.empty_cache_between_phases else comp["generate/copy"] + (
+        comp["generate/kv_cache"] if args.generation_backend in ("cudagraph", "compiled") else 0)
     comp["generate/prefill"] = gen_rows * P * shape.hidden * PREFILL_BYTES + gen_rows * shape.vocab * 8
     # micro-batch of the update and the no-grad passes
     if args.use_dynamic_bsz:
@@ -226,14 +232,15 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     grads = sum(comp[f"{r}/gradients"] for r in here)
     casts = comp["actor/autocast_copies"]
     phases = {
-        "generate": static + comp["generate/kv_cache"] + comp["generate/prefill"] + casts,
-        "ref": static + (0 if ref_elsewhere else comp["ref/logits"])
+        "generate": static + comp["generate/kv_cache"] + comp["generate/prefill"] + comp["generate/copy"]
+        + (0 if args.generation_copy else casts),
+        "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"])
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
-        "actor_update": static + grads + max(casts + comp["update/activations"],
-                                             comp["update/activations"] + comp["update/logits"]),
+        "actor_update": static + kept + grads + max(casts + comp["update/activations"],
+                                                    comp["update/activations"] + comp["update/logits"]),
     }
     if algo == "ppo" and not critic_elsewhere:
-        phases["critic_update"] = static + grads + comp["update/activations"] + positions * shape.hidden * 4
+        phases["critic_update"] = static + kept + grads + comp["update/activations"] + positions * shape.hidden * 4
     peak_allocated = max(phases.values())
     return dict(components=comp, phases=phases, peak_allocated=peak_allocated,
                 other_gpus={device: used * (1 + RESERVED_SLACK) for device, used in other.items()},
@@ -430,6 +437,12 @@ HELD_OUT = [
     ("qwen2.5-1.5b", ["--empty_cache_between_phases"], 58.50),
     ("qwen2.5-1.5b", ["--use_lora"], 37.57),
     ("qwen2.5-1.5b", "--param_offload --offload_policy embedding,lm_head".split(), 55.88),
+    # 2026-12-01, --generation_backend compiled (its KV cache kept through the other phases)
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --generation_backend compiled".split(), 43.78),
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
+     "--generation_backend compiled".split(), 19.56),
+    ("qwen2.5-7b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
+     "--generation_backend compiled".split(), 71.07),
 ]
 WORKLOAD_GRPO = ["--prompts_per_step", "16", "--num_generations", "8", "--max_prompt_length", "256",
                  "--max_completion_length", "512", "--beta", "0.04", "--model_name_or_path", "x"]
