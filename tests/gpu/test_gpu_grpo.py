@@ -31,6 +31,7 @@ def test_debug_on_one_gpu_learns(run, tmp_path):
     ["--use_gradient_checkpointing", "--torch_dtype", "bfloat16", "--num_iterations", "2", "--loss_type", "grpo"],
     ["--mixed_precision", "no", "--beta", "0"],
     ["--use_lora", "--use_gradient_checkpointing", "--learning_rate", "1e-3"],
+    ["--use_gradient_checkpointing", "--torch_compile", "--generation_backend", "compiled"],
 ])
 def test_local_model_folder_on_gpu(run, tmp_path, local_model, extra):
     out = tmp_path / "out"
