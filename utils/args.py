@@ -7,6 +7,8 @@ from typing import Literal, Optional
 
 from utils.cli import UsageError
 
+CAPTURED_BACKENDS = ("cudagraph", "compiled")  # --generation_backend values that replay a CUDA graph
+
 
 @dataclass
 class SharedArgs:
@@ -195,7 +197,7 @@ def check_memory_args(args, num_processes=1):
     if args.param_offload and num_processes > 1:
         raise UsageError(f"--param_offload keeps trained weights on the CPU, which DDP cannot wrap; it needs one process "
                          f"(got {num_processes})")
-    if args.generation_backend in ("cudagraph", "compiled"):
+    if args.generation_backend in CAPTURED_BACKENDS:
         moving = ("--param_offload (the offloaded weights are copied to the GPU anew at each rollout)"
                   if args.param_offload and not args.generation_copy else
                   "--actor_device balanced (the layers live on several GPUs)" if args.actor_device == "balanced" else None)

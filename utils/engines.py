@@ -14,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 
 from accelerate.utils import DistributedType
 
+from utils.args import CAPTURED_BACKENDS
 from utils.cli import UsageError
 
 
@@ -47,7 +48,7 @@ def check_engine_args(args, engine, trained_roles=("actor",)):
     if args.optim != "adamw_torch":
         raise UsageError(f"--optim {args.optim} {where}: the engine shards the optimizer state already; use "
                          "--optim adamw_torch")
-    if sharded and getattr(args, "generation_backend", "hf") in ("cudagraph", "compiled"):
+    if sharded and getattr(args, "generation_backend", "hf") in CAPTURED_BACKENDS:
         raise UsageError(f"--generation_backend {args.generation_backend} {where}: the gathered weights get new "
                          "addresses at each rollout, which a replayed CUDA graph cannot follow; use --generation_backend "
                          "static (or hf)")

@@ -4,6 +4,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from utils.args import CAPTURED_BACKENDS
 from utils.memory import fake_oom_check
 from utils.placement import model_input_device
 
@@ -59,8 +60,7 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
     compiled: the torch.compile'd step captured; on a CPU, eager and compiled-without-graph). No
     host synchronisation per token: whether every row has finished is asked every `check_every`
     steps. Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens."""
-    P = input_ids.shape[1]
-    cache_len = -(-(P + max_new_tokens) // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE  # a few shapes, not one per P
+    cache_len = static_cache_len(input_ids.shape[1], max_new_tokens)
     with packed_gqa_decoding(model):
         return _static_loop(model, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p, greedy),
                             eos_token_ids, pad_token_id, step_mode, check_every, cache_len)
@@ -95,7 +95,10 @@ def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos
     return torch.stack(tokens, dim=1)
 
 
-CACHE_LEN_MULTIPLE = 128  # the static cache's length is prompt + new tokens rounded up to this
+def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
+    """The static KV cache's length: prompt + new tokens rounded up to `multiple`, so that prompts of
+    nearby lengths share one cache shape (and one captured graph)."""
+    return -(-(prompt_len + max_new_tokens) // multiple) * multiple
 PACKED_GQA = "lean_rl_packed_gqa_sdpa"  # the attention implementation's registered name
 
 
@@ -153,7 +156,7 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device):
     rollouts. The eager step gets a fresh cache each call (freed with it)."""
     from transformers import StaticCache
 
-    graph = step_mode in ("cudagraph", "compiled") and device.type == "cuda"
+    graph = step_mode in CAPTURED_BACKENDS and device.type == "cuda"
     keep = graph or step_mode == "compiled"
     key = (batch, cache_len, sampling, step_mode)
     held = model.__dict__.pop("_lean_rl_decoder", None)  # another shape: the old cache is freed before the new one
@@ -277,7 +280,7 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                     new = model.generate(input_ids=ids, attention_mask=mask,
                                          generation_config=generation_config)[:, ids.shape[1]:]
                 else:
-                    if backend in ("cudagraph", "compiled") and device.type != "cuda":
+                    if backend in CAPTURED_BACKENDS and device.type != "cuda":
                         import warnings
 
                         warnings.warn(f"--generation_backend {backend} needs a GPU (CUDA graphs); using static")

@@ -187,13 +187,16 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     comp["reward/weights"] = (0 if not reward_state or args.reward_device == "cpu" or reward_elsewhere else
                               max(shape.embedding_params, shape.linear_params // shape.layers) * 2
                               if args.reward_device == "offload" else reward_state)
-    static_cache = args.generation_backend in ("static", "cudagraph", "compiled")  # length rounded up to 128
-    comp["generate/kv_cache"] = gen_rows * (-(-T // 128) * 128 if static_cache else T) * kv_bytes_per_token(shape)
+    from utils.args import CAPTURED_BACKENDS
+    from utils.generation import static_cache_len
+
+    cache_len = T if args.generation_backend == "hf" else static_cache_len(P, C)  # the static cache is rounded up
+    comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape)
     comp["generate/copy"] = shape.params * 2 if args.generation_copy else 0  # --generation_copy: bf16 weights
     # what a rollout leaves allocated for the next one (a captured decoder's KV cache, the copy), unless
     # --empty_cache_between_phases drops them
     kept = 0 if args.empty_cache_between_phases else comp["generate/copy"] + (
-        comp["generate/kv_cache"] if args.generation_backend in ("cudagraph", "compiled") else 0)
+        comp["generate/kv_cache"] if args.generation_backend in CAPTURED_BACKENDS else 0)
     comp["generate/prefill"] = gen_rows * P * shape.hidden * PREFILL_BYTES + gen_rows * shape.vocab * 8
     # micro-batch of the update and the no-grad passes
     if args.use_dynamic_bsz:
