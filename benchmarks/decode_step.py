@@ -6,7 +6,7 @@
 
 A random-weight model of the shape (benchmarks/memory.py's config, SDPA attention) is built on
 the device, in bf16 and/or in float32 under bf16 autocast (the scripts' default numerics). Each
-backend generates `--short` and `--long` new tokens from the same prompts (after one warm-up
+backend generates through the scripts' own generate_completions `--short` and `--long` new tokens from the same prompts (after one warm-up
 rollout, which compiles and captures); the time per decoding step is the difference divided by
 the difference in tokens, so the prefill and the one-off costs drop out. Printed with the
 bandwidth floor of one step (weights + the KV cache at the mean context, as benchmarks/
@@ -24,11 +24,11 @@ sys.path.insert(0, ROOT)
 
 def main(argv=None):
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    from benchmarks.memory import SHAPE_COMMON
+    from benchmarks.memory import shape_config
     from benchmarks.throughput import measure_ceilings
-    from utils.generation import static_cache_generate
+    from utils.generation import build_generation_config, generate_completions
     from utils.plan import SHAPES, kv_bytes_per_token, load_shape
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,11 +44,11 @@ def main(argv=None):
         parser.error("--short and --long: 0 < short < long")
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
-    vocab = SHAPES[args.shape]["vocab_size"]
-    config = Qwen2Config(**SHAPES[args.shape], **SHAPE_COMMON, eos_token_id=vocab - 2, pad_token_id=vocab - 1)
+    config = shape_config(args.shape)
     config._attn_implementation = "sdpa"
+    shape = load_shape(args.shape)
     torch.manual_seed(0)
-    ids = torch.randint(0, vocab - 2, (args.rows, args.prompt_length), device=device)
+    ids = torch.randint(0, config.vocab_size - 2, (args.rows, args.prompt_length), device=device)
     mask = torch.ones_like(ids)
     ceilings = measure_ceilings(on_gpu)
     print(f"device: {ceilings['device']} | {ceilings['bandwidth_gb_s']:.0f} GB/s | shape {args.shape} | "
@@ -70,20 +70,13 @@ def main(argv=None):
         model.eval()
         if dtype != "bf16" and on_gpu:
             model.forward = torch.autocast(device, dtype=torch.bfloat16)(model.forward)  # as accelerate's prepare
-        shape = load_shape(args.shape)
         weight_bytes = shape.params * (2 if dtype == "bf16" else 4)  # under autocast the float32 weights are read
         context = args.prompt_length + (args.short + args.long) / 2
         floor_ms = (weight_bytes + args.rows * context * kv_bytes_per_token(shape)) / ceilings["bandwidth_gb_s"] / 1e6
         for backend in args.backends.split(","):
-            if backend == "hf":
-                def rollout(n):
-                    model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
-                        max_new_tokens=n, min_new_tokens=n, do_sample=True, pad_token_id=vocab - 1))
-            else:
-                mode = {"static": "eager"}.get(backend, backend)
-
-                def rollout(n):
-                    static_cache_generate(model, ids, mask, n, 1.0, 1.0, 0, [10**9], vocab - 1, step_mode=mode)
+            def rollout(n):  # as the scripts generate; no eos id matches, so every row runs n tokens
+                generation_config = build_generation_config(n, 1.0, 1.0, 0, config.pad_token_id, [10**9])
+                generate_completions(model, ids, mask, generation_config, [10**9], backend=backend)
             first = seconds(lambda: rollout(args.short))
             short, long = seconds(lambda: rollout(args.short)), seconds(lambda: rollout(args.long))
             step_ms = (long - short) / (args.long - args.short) * 1e3

@@ -125,14 +125,21 @@ def cached(folder, build):
     return folder
 
 
-def build_model(shape, folder, on_gpu):
-    """Random-weight Qwen2 of `shape` (seed 0), saved to `folder`; eos V-2, pad V-1 as the tokenizer's."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def shape_config(shape):
+    """The Qwen2 config of a workload shape; eos V-2, pad V-1 as the id tokenizer's."""
+    from transformers import Qwen2Config
 
     vocab = SHAPES[shape]["vocab_size"]
-    config = Qwen2Config(**SHAPES[shape], **SHAPE_COMMON, bos_token_id=vocab - 2, eos_token_id=vocab - 2,
-                         pad_token_id=vocab - 1)
+    return Qwen2Config(**SHAPES[shape], **SHAPE_COMMON, bos_token_id=vocab - 2, eos_token_id=vocab - 2,
+                       pad_token_id=vocab - 1)
+
+
+def build_model(shape, folder, on_gpu):
+    """Random-weight Qwen2 of `shape` (seed 0), saved to `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda" if on_gpu else "cpu"):  # on the GPU: 7B initialises in seconds, not minutes
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if on_gpu else torch.float32)
