@@ -24,6 +24,32 @@ def test_compile_repeated_blocks_compiles_each_decoder_layer_in_place():
     assert counters["frames"]["ok"] > frames  # the layers ran through torch.compile
 
 
+def test_rollouts_run_the_compiled_blocks_eagerly():
+    """Decoding gives each layer its own guards (its KV-cache layer): through the compiled blocks a
+    rollout would use up the recompile limit and leave the update uncompiled. The rollout runs them
+    eagerly (nothing compiled, same tokens) and they are compiled again afterwards."""
+    from torch._dynamo.utils import counters
+
+    from utils.generation import build_generation_config, generate_completions
+    from utils.modeling import compile_repeated_blocks
+
+    tokenizer = toy.build_tokenizer()
+    model = toy.build_model(tokenizer)
+    prompts = torch.randint(3, len(tokenizer), (4, 5))
+    mask = torch.ones_like(prompts)
+    config = build_generation_config(6, 1.0, 1.0, 0, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    torch.manual_seed(0)
+    expected = generate_completions(model, prompts, mask, config, [tokenizer.eos_token_id])[0]
+    compile_repeated_blocks(model)
+    frames = counters["frames"]["total"]
+    torch.manual_seed(0)
+    tokens = generate_completions(model, prompts, mask, config, [tokenizer.eos_token_id])[0]
+    assert counters["frames"]["total"] == frames  # no frame went to torch.compile during the rollout
+    assert torch.equal(tokens, expected)
+    model(input_ids=prompts)
+    assert counters["frames"]["total"] > frames  # the blocks are compiled again after it
+
+
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_scripts_train_the_same_with_torch_compile(run, tmp_path, script):
     common = ["--max_steps", "2", "--use_gradient_checkpointing", "--save_strategy", "no"]

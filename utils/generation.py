@@ -6,6 +6,7 @@ import torch
 
 from utils.args import CAPTURED_BACKENDS
 from utils.memory import fake_oom_check
+from utils.modeling import uncompiled_blocks
 from utils.placement import model_input_device
 
 
@@ -268,7 +269,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     # share: shorter prefills and caches; the rows go back to their order at the end
     order = prompt_mask.sum(dim=1).argsort(descending=True, stable=True) if batch_size < len(prompt_ids) else None
     try:
-        with resident(policy) if not from_copy else nullcontext():  # --param_offload: the weights on the GPU for the phase
+        # --param_offload: the weights on the GPU for the phase; --torch_compile's blocks run eagerly
+        with resident(policy) if not from_copy else nullcontext(), uncompiled_blocks(model):
             for start in range(0, prompt_ids.shape[0], batch_size):
                 rows = slice(start, start + batch_size) if order is None else order[start:start + batch_size]
                 fake_oom_check(prompt_ids[rows].shape[0])

@@ -2,6 +2,7 @@
 embedded tiny model when no path is given."""
 
 import importlib.util
+from contextlib import contextmanager
 
 import torch
 
@@ -253,3 +254,21 @@ def compile_repeated_blocks(model) -> int:
         return sum(visit(child) for child in module.children())
 
     return visit(model)
+
+
+@contextmanager
+def uncompiled_blocks(model):
+    """The blocks that compile_repeated_blocks compiled run eagerly inside this context (the
+    rollout). Decoding with a KV cache gives each layer its own guards (its cache layer's state):
+    the first H200 run with --torch_compile hit torch.compile's recompile limit (8) in its first
+    rollout, warning about the cache, and its 1.5b update then took 4.32 s against 3.68 s without
+    --torch_compile. The decoding step has its own compilation (--generation_backend compiled)."""
+    blocks = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = [m._compiled_call_impl for m in blocks]
+    for m in blocks:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, impl in zip(blocks, compiled):
+            m._compiled_call_impl = impl
