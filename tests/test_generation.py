@@ -193,6 +193,25 @@ def test_static_cache_under_accelerate_bf16_with_transformers_5_17_buffers(monke
     assert out.shape == (4, 6)
 
 
+def test_a_dropped_decoder_frees_its_kv_cache():
+    """compiled/cudagraph keep their decoder (KV cache, step) on the model between rollouts;
+    --empty_cache_between_phases drops it after each rollout, and its cache tensors must then be
+    freed although torch.compile keeps the functions it traced. (On the H200 a per-layer closure
+    kept them: the update's peak was 18.34 GiB allocated with the flag, 18.21 without.) On the CPU
+    the compiled step runs without a graph but is kept the same way."""
+    import gc
+    import weakref
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    static_cache_generate(model, ids, mask, 4, 1.0, 1.0, 0, [10**9], tokenizer.pad_token_id, step_mode="compiled")
+    cache = model.__dict__["_lean_rl_decoder"][1]
+    tensors = [weakref.ref(t) for layer in cache.layers for t in (layer.keys, layer.values)]
+    del cache
+    model.__dict__.pop("_lean_rl_decoder")  # as generate_completions(keep_decoder=False) does
+    gc.collect()
+    assert tensors and all(ref() is None for ref in tensors)
+
+
 def test_sampling_logits_equal_generate_logits_processors():
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 

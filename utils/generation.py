@@ -227,11 +227,22 @@ def _store_keys_as_values(cache):
     and the values in bf16; transformers 5.17's StaticCache sizes both buffers by the keys' dtype and
     then cannot store the values. Attention casts both to bf16 under autocast anyway, so the keys
     are stored in the values' dtype: the same numbers as `generate`'s cache, half its key bytes.
-    Without autocast both have one dtype and nothing changes."""
+    Without autocast both have one dtype and nothing changes. Done by the layers' class, not by a
+    per-layer closure: torch.compile keeps the functions it traced alive, and a closure holding
+    its layer kept a dropped cache's tensors allocated (--empty_cache_between_phases freed nothing)."""
     for layer in cache.layers:
-        def update(key_states, value_states, *args, _update=layer.update, **kwargs):
-            return _update(key_states.to(value_states.dtype), value_states, *args, **kwargs)
-        layer.update = update
+        layer.__class__ = _keys_as_values_class(type(layer))
+
+
+_KEYS_AS_VALUES = {}
+
+
+def _keys_as_values_class(cls):
+    if cls not in _KEYS_AS_VALUES:
+        def update(self, key_states, value_states, *args, **kwargs):
+            return cls.update(self, key_states.to(value_states.dtype), value_states, *args, **kwargs)
+        _KEYS_AS_VALUES[cls] = type(cls.__name__, (cls,), {"update": update, "__module__": cls.__module__})
+    return _KEYS_AS_VALUES[cls]
 
 
 @torch.no_grad()

@@ -143,3 +143,25 @@ def test_grpo_trains_lora_generating_from_the_copy_on_gpu(run, tmp_path, local_m
     assert len(rows) == 3 and all(r["optim/grad_norm"] > 0 for r in rows)
     print(f"\n{'QLoRA' if quantised else 'LoRA'} + copy: generate {rows[-1]['time/generate']:.2f} s, "
           f"step {rows[-1]['time/step']:.2f} s")
+
+
+@pytest.mark.parametrize("backend", ["cudagraph", "compiled"])
+def test_dropped_decoder_gives_its_memory_back_on_gpu(backend):
+    """--empty_cache_between_phases (keep_decoder=False): after each rollout the KV cache and the
+    graph are freed, so allocated memory returns to its level before the rollout, rollout after
+    rollout. The first version kept the cache (the H200's 1.5b update peak did not move)."""
+    from utils.generation import build_generation_config, generate_completions
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    config = build_generation_config(48, 1.0, 1.0, 0, pad, [10**9])
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    left = []
+    for _ in range(3):
+        generate_completions(model, ids, mask, config, [10**9], backend=backend, keep_decoder=False)
+        torch.cuda.synchronize()
+        left.append((torch.cuda.memory_allocated() - base) / 2**20)
+    kept = generate_completions(model, ids, mask, config, [10**9], backend=backend)  # noqa: F841
+    held = (torch.cuda.memory_allocated() - base) / 2**20
+    print(f"\n{backend}: MiB left after each dropped rollout {[round(x, 2) for x in left]}; kept decoder {held:.2f} MiB")
+    assert held > 1 and all(x < 0.5 for x in left)
