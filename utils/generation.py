@@ -201,7 +201,7 @@ def _captured(model, cache, step, batch, cache_len, device, warmup=3):
     model(input_ids=token[:, None], attention_mask=mask[:, :1], position_ids=position - 1, past_key_values=cache,
           cache_position=torch.arange(1, device=device), use_cache=True, logits_to_keep=1)
     inputs = (token, position, torch.ones(1, dtype=torch.long, device=device), mask)
-    side = torch.cuda.Stream(device)
+    side = _side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(warmup):
@@ -220,6 +220,18 @@ def _captured(model, cache, step, batch, cache_len, device, warmup=3):
 
     replay.graph = graph  # keeps the graph (and its memory pool) alive with the step
     return replay
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    """One warm-up stream per device for every capture: cuBLAS keeps a workspace (32 MiB on an
+    H200) for each stream it has run on, for the life of the process, so a new stream per capture
+    (--empty_cache_between_phases captures at every rollout) grew memory by 32 MiB per rollout."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _store_keys_as_values(cache):

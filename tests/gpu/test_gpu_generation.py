@@ -148,8 +148,10 @@ def test_grpo_trains_lora_generating_from_the_copy_on_gpu(run, tmp_path, local_m
 @pytest.mark.parametrize("backend", ["cudagraph", "compiled"])
 def test_dropped_decoder_gives_its_memory_back_on_gpu(backend):
     """--empty_cache_between_phases (keep_decoder=False): after each rollout the KV cache and the
-    graph are freed, so allocated memory returns to its level before the rollout, rollout after
-    rollout. The first version kept the cache (the H200's 1.5b update peak did not move)."""
+    graph are freed, so allocated memory stays level from rollout to rollout (what stays is
+    cuBLAS's per-stream workspaces, allocated once) and below what a kept decoder holds. On the
+    H200 the first version grew by 32 MiB per rollout (a new warm-up stream per capture, each with
+    its own cuBLAS workspace): cudagraph [96, 128, 160] MiB, compiled [20.8, 52.8, 84.8]."""
     from utils.generation import build_generation_config, generate_completions
 
     model, pad, ids, mask = _small_model_and_prompts()
@@ -164,4 +166,4 @@ def test_dropped_decoder_gives_its_memory_back_on_gpu(backend):
     kept = generate_completions(model, ids, mask, config, [10**9], backend=backend)  # noqa: F841
     held = (torch.cuda.memory_allocated() - base) / 2**20
     print(f"\n{backend}: MiB left after each dropped rollout {[round(x, 2) for x in left]}; kept decoder {held:.2f} MiB")
-    assert held > 1 and all(x < 0.5 for x in left)
+    assert max(left) - min(left) < 0.5 and held - left[0] > 1
