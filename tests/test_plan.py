@@ -6,8 +6,8 @@ import pytest
 import train_grpo
 from utils import toy
 from utils.cli import UsageError, parse_args
-from utils.plan import (GIB, HELD_OUT, MEASURED, SHAPES, WORKLOAD_GRPO, Shape, apply_flags, estimate, load_shape,
-                        parse_memory, plan, script_args)
+from utils.plan import (GIB, HELD_OUT, HELD_OUT_PPO, MEASURED, SHAPES, WORKLOAD_GRPO, WORKLOAD_PPO, Shape,
+                        apply_flags, estimate, load_shape, parse_memory, plan, script_args)
 
 
 def test_parameter_counts_match_real_models():
@@ -46,10 +46,14 @@ def test_estimate_against_a_hand_calculation_for_the_tiny_model():
     assert est["phases"]["actor_update"] == update == est["peak_allocated"]
 
 
-@pytest.mark.parametrize("shape, flags, measured", MEASURED + HELD_OUT,
-                         ids=[f"{s}-{i}" for i, (s, _, _) in enumerate(MEASURED + HELD_OUT)])
-def test_estimates_within_15_percent_of_the_h200_runs(shape, flags, measured):
-    est = estimate(load_shape(shape), script_args("grpo", WORKLOAD_GRPO + flags))["peak_reserved"] / GIB
+_RUNS = [("grpo", *row) for row in MEASURED + HELD_OUT] + [("ppo", *row) for row in HELD_OUT_PPO]
+
+
+@pytest.mark.parametrize("algo, shape, flags, measured", _RUNS,
+                         ids=[f"{a}-{s}-{i}" for i, (a, s, _, _) in enumerate(_RUNS)])
+def test_estimates_within_15_percent_of_the_h200_runs(algo, shape, flags, measured):
+    workload = WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO
+    est = estimate(load_shape(shape), script_args(algo, workload + flags), algo)["peak_reserved"] / GIB
     assert abs(est / measured - 1) <= 0.15, (est, measured)
 
 

@@ -446,9 +446,23 @@ HELD_OUT = [
      "--generation_backend compiled".split(), 19.56),
     ("qwen2.5-7b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
      "--generation_backend compiled".split(), 71.07),
+    # 2026-12-01, later: QLoRA with and without --generation_copy (steps 2-3); the dropped cache
+    # really freed (steps 2-3 of a cut run)
+    ("qwen2.5-7b", "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_backend compiled".split(), 23.69),
+    ("qwen2.5-7b", "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_copy "
+     "--generation_backend compiled".split(), 37.77),
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
+     "--generation_backend compiled --torch_compile --empty_cache_between_phases".split(), 16.73),
 ]
 WORKLOAD_GRPO = ["--prompts_per_step", "16", "--num_generations", "8", "--max_prompt_length", "256",
                  "--max_completion_length", "512", "--beta", "0.04", "--model_name_or_path", "x"]
+# W-PPO (actor, critic and reference of one shape), measured 2026-12-01 with benchmarks/throughput.py --script ppo
+HELD_OUT_PPO = [
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
+     "--generation_backend compiled".split(), 28.12),
+]
+WORKLOAD_PPO = ["--prompts_per_step", "128", "--max_prompt_length", "256", "--max_completion_length", "512",
+                "--ppo_epochs", "1", "--model_name_or_path", "x"]
 
 
 def script_args(algo, argv):
@@ -486,12 +500,14 @@ def main(argv=None):
         parser.error("--num_processes and --gpus_per_process must be at least 1")
     if opts.measured:
         print(f"{'shape':<14}{'estimated GiB':>14}{'measured GiB':>14}{'error':>8}  {'set':<9}flags")
-        for rows, kind in ((MEASURED, "fit"), (HELD_OUT, "held out")):
+        for rows, kind, algo, workload in ((MEASURED, "fit", "grpo", WORKLOAD_GRPO),
+                                           (HELD_OUT, "held out", "grpo", WORKLOAD_GRPO),
+                                           (HELD_OUT_PPO, "held out", "ppo", WORKLOAD_PPO)):
             for shape_name, flags, measured in rows:
-                est = estimate(load_shape(shape_name), script_args("grpo", WORKLOAD_GRPO + flags))["peak_reserved"]
+                est = estimate(load_shape(shape_name), script_args(algo, workload + flags), algo)["peak_reserved"]
                 est /= GIB
                 print(f"{shape_name:<14}{est:>14.2f}{measured:>14.2f}{(est / measured - 1):>+8.0%}  {kind:<9}"
-                      f"{' '.join(flags)}")
+                      f"{algo.upper()} {' '.join(flags)}")
         return
     base = (WORKLOAD_GRPO if opts.workload else []) + script_argv
     base = base if any(a == "--model_name_or_path" for a in base) else base + ["--model_name_or_path", opts.model]
