@@ -358,13 +358,14 @@ def main(argv=None):
         # 2. reference logprobs (frozen initial policy) for the KL penalty
         ref_logprobs = None
         if args.beta > 0:
-            with timer.phase("ref"), resident(unwrapped), unwrapped.disable_adapter() if ref_model is None else nullcontext():
+            ref_policy = unwrapped if ref_model is None else ref_model  # LoRA: the policy, adapter disabled
+            with timer.phase("ref"), resident(ref_policy), \
+                    unwrapped.disable_adapter() if ref_model is None else nullcontext():
                 ref_logprobs = shrink.retry(lambda: batched_completion_logprobs(  # [B, C]
-                    unwrapped if ref_model is None else ref_model, input_ids, attention_mask, make_plan(),
-                    args.temperature, chunk), "ref")
+                    ref_policy, input_ids, attention_mask, make_plan(), args.temperature, chunk), "ref")
 
         # 3. rewards: every function on every completion, weighted sum; gathered over processes
-        with timer.phase("reward"):
+        with timer.phase("reward"), resident(reward_model and reward_model.model):
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             rewards_per_func = reward_utils.score_completions(reward_fns, completions, prompts, columns, home)
             all_rewards_per_func = accelerator.gather(rewards_per_func)  # [N, F], groups adjacent

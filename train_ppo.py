@@ -427,16 +427,16 @@ def main(argv=None):
                 unwrapped_actor, input_ids, attention_mask, make_plan(), args.temperature, chunk), "old_logprobs")
         ref_logprobs = old_logprobs  # no KL penalty: no reference model
         if use_ref:
-            with timer.phase("ref"), resident(unwrapped_actor), \
+            ref_policy = unwrapped_actor if ref_model is None else ref_model  # LoRA: the actor, adapter disabled
+            with timer.phase("ref"), resident(ref_policy), \
                     unwrapped_actor.disable_adapter() if ref_model is None else nullcontext():
                 ref_logprobs = shrink.retry(lambda: batched_completion_logprobs(
-                    unwrapped_actor if ref_model is None else ref_model, input_ids, attention_mask, make_plan(),
-                    args.temperature, chunk), "ref")
+                    ref_policy, input_ids, attention_mask, make_plan(), args.temperature, chunk), "ref")
         with timer.phase("values"), torch.no_grad(), resident(unwrapped_critic):
             old_values = shrink.retry(critic_values, "values")
 
         # 3. scores: rule rewards and/or the reward model, weighted; penalty for no EOS
-        with timer.phase("reward"):
+        with timer.phase("reward"), resident(reward_model and reward_model.model):
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             rewards_per_func = reward_utils.score_completions(reward_fns, completions, prompts, columns, home)
             scores = (rewards_per_func * reward_weights).nansum(dim=1)  # [B]

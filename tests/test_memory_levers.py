@@ -399,6 +399,54 @@ def test_chunked_logprobs_through_an_offloaded_model():
     torch.testing.assert_close(got[real], want.detach()[real], rtol=1e-5, atol=1e-6)
 
 
+def test_phase_swap_moves_the_whole_model_for_its_phase_only():
+    """--ref_device swap: the logprobs through a swapped model (inside its phase) equal the
+    unplaced model's; every parameter and buffer is moved, a tied weight once; after the phase
+    the model's tensors are their CPU storage again. (That they sit on the GPU during the phase
+    only: tests/gpu/test_gpu_memory.py.)"""
+    from utils.offload import resident
+    from utils.placement import Placement, place_model
+
+    _, model = _model(seed=9)
+    ids, mask = _batch(model.config.vocab_size)
+    want, _ = completion_logprobs(model, ids, mask, 7)
+    swapped = place_model(copy.deepcopy(model), Placement("ref", "swap", torch.device("cpu")))
+    tensors = list(swapped.parameters()) + list(swapped.buffers())
+    before = {id(t): t.data_ptr() for t in tensors}
+    swap = swapped.lean_rl_swap
+    assert {id(t) for t, _ in swap.tensors} == {id(t) for t in tensors}
+    assert len(swap.tensors) == len(tensors) < len(list(swapped.named_parameters(remove_duplicate=False))) + len(
+        list(swapped.buffers()))  # the toy model ties its LM head to the embedding: moved once
+    with resident(swapped):
+        got = batched_completion_logprobs(swapped, ids, mask, plan_micro_batches(mask, 7, batch_size=4), 1.0)
+    real = mask[:, 5:].bool()
+    torch.testing.assert_close(got[real], want.detach()[real], rtol=1e-5, atol=1e-6)
+    assert all(t.device.type == "cpu" and t.data_ptr() == before[id(t)] for t in tensors)
+
+
+def test_grpo_with_a_swapped_reference_and_reward_model_trains_as_without(run, tmp_path):
+    """The whole step with --ref_device swap and --reward_device swap: the same KL, losses and
+    rewards as with both models placed normally; the placement table says swap."""
+    from utils import toy
+
+    rm_tokenizer = toy.build_tokenizer()
+    rm = toy.build_sequence_classifier(rm_tokenizer, seed=5)
+    rm.save_pretrained(tmp_path / "rm")
+    rm_tokenizer.save_pretrained(tmp_path / "rm")
+    common = ["--max_steps", "2", "--save_strategy", "no", "--reward_model_name_or_path", str(tmp_path / "rm"),
+              "--reward_funcs", "accuracy", "--reward_weights", "1,0.5"]
+    rows = {}
+    for name, extra in (("placed", []), ("swap", ["--ref_device", "swap", "--reward_device", "swap"])):
+        result = run(common + extra + ["--output_dir", str(tmp_path / name)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name] = metrics_of(tmp_path / name)
+    assert re.search(r"ref\s+cpu memory, on cpu for its phase \(swap\)", result.stdout)
+    assert re.search(r"reward\s+cpu memory, on cpu for its phase \(swap\)", result.stdout)
+    for a, b in zip(rows["placed"], rows["swap"]):
+        for key in ("policy/kl", "loss/policy", "reward/mean", "reward/reward_model/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_levers_under_two_ddp_processes(tmp_path, script):
     """Checkpointing with activation offload (a reentrant-style backward inside DDP), token-budget

@@ -28,7 +28,7 @@ def resolve(specs, exec_device=None, num_processes=1, default="cpu"):
 
 @pytest.mark.parametrize("specs, message", [
     ({"ref": "cuda:0"}, "--ref_device cuda:0: no CUDA GPU is visible to this process; use cpu"),
-    ({"reward": "cdua:0"}, "--reward_device cdua:0: expected cpu, cuda, cuda:N, balanced (or auto) or offload"),
+    ({"reward": "cdua:0"}, "--reward_device cdua:0: expected cpu, cuda, cuda:N, balanced (or auto), offload or swap"),
     ({"critic": "balanced"}, "--critic_device balanced: splitting layers needs GPUs and none is visible"),
     ({"actor": "offload"}, "--actor_device offload: offload is for frozen roles (ref, reward); the actor is trained"),
     ({"actor": "gpu"}, "--actor_device gpu: expected"),
@@ -47,6 +47,16 @@ def test_cpu_and_offload_without_gpus(monkeypatch):
     assert p["ref"].device == torch.device("cpu") and "offload" in p["ref"].describe()
     with pytest.raises(UsageError, match="--offload_execution_device cuda:0: no CUDA GPU"):
         resolve({"ref": "offload"}, exec_device="cuda:0")
+
+
+def test_swap_is_for_frozen_roles_and_runs_on_the_execution_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    p = resolve({"actor": None, "ref": "swap", "reward": "SWAP"}, default="cuda:0")
+    assert (p["ref"].kind, p["reward"].kind) == ("swap", "swap")
+    assert p["ref"].device == torch.device("cuda", 0) and "for its phase (swap)" in p["ref"].describe()
+    assert resolve({"ref": "swap"}, exec_device="cuda:1", default="cuda:0")["ref"].device == torch.device("cuda", 1)
+    with pytest.raises(UsageError, match="--critic_device swap: swap is for frozen roles"):
+        resolve({"critic": "swap"}, default="cuda:0")
 
 
 def test_four_gpus_one_process(monkeypatch):

@@ -88,7 +88,7 @@ def test_stop_token_ends_completions(run, tmp_path):
     (["--per_device_train_batch_size", "48"], "--per_device_train_batch_size 48 does not divide the 64 completions"),
     (["--actor_device", "offload"], "--actor_device offload: offload is for frozen roles"),
     (["--critic_device", "cuda:7"], "--critic_device cuda:7:"),
-    (["--ref_device", "gpu0"], "--ref_device gpu0: expected cpu, cuda, cuda:N, balanced (or auto) or offload"),
+    (["--ref_device", "gpu0"], "--ref_device gpu0: expected cpu, cuda, cuda:N, balanced (or auto), offload or swap"),
     (["--lam", "1.5"], "--lam must be in [0, 1]"),
     (["--missing_eos_penalty", "-1"], "--missing_eos_penalty must be >= 0"),
     (["--reward_funcs", "nope"], "unknown reward function 'nope'"),

@@ -58,8 +58,8 @@ class SharedArgs:
     lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma list of module names to adapt (e.g. q_proj,v_proj), or all-linear."})
     # --- placement (utils/placement.py; several processes: cuda:N is the N-th GPU the process owns)
     actor_device: Optional[str] = field(default=None, metadata={"help": "Policy placement: cpu, cuda:N or balanced (layers split over this process's GPUs); default: the process's device."})
-    ref_device: Optional[str] = field(default=None, metadata={"help": "Reference placement: cpu, cuda:N, balanced, or offload (CPU memory, run on --offload_execution_device)."})
-    reward_device: Optional[str] = field(default=None, metadata={"help": "Reward model placement: cpu, cuda:N, balanced or offload."})
+    ref_device: Optional[str] = field(default=None, metadata={"help": "Reference placement: cpu, cuda:N, balanced, offload (CPU memory, streamed layer by layer to --offload_execution_device in every micro-batch) or swap (pinned CPU memory, copied whole to --offload_execution_device for the reference phase and freed after: one copy per step)."})
+    reward_device: Optional[str] = field(default=None, metadata={"help": "Reward model placement: cpu, cuda:N, balanced, offload or swap (as --ref_device)."})
     offload_execution_device: Optional[str] = field(default=None, metadata={"help": "Where offloaded roles run (cpu, cuda:N); default: the actor's device."})
     # --- data
     dataset_name: Optional[str] = field(default=None, metadata={"help": "Hub id, local folder, or local .json/.jsonl/.parquet/.csv file; unset: the toy task."})
@@ -176,7 +176,7 @@ def check_memory_args(args, num_processes=1):
     quantized_roles = ("ref", "reward") + (("actor", "critic") if args.use_lora else ())
     for role in quantized_roles if (args.load_in_4bit or args.load_in_8bit) else ():
         value = getattr(args, f"{role}_device", None)
-        if value in ("balanced", "auto", "offload"):
+        if value in ("balanced", "auto", "offload", "swap"):
             raise UsageError(f"--{role}_device {value} with --load_in_{bits}bit: a quantised model is loaded onto one "
                              "device and stays there; use cuda:N or cpu")
     if args.log_memory_every < 0:

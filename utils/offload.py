@@ -9,6 +9,8 @@
   weights live in pinned CPU memory; each use copies them to the GPU (a differentiable copy, so
   their gradients, and the optimizer state built on them, stay on the CPU too). No-grad phases
   (generation, reference) can keep one GPU copy for the phase (`ParamOffload.resident`).
+- Phase swap (--ref_device swap, --reward_device swap): a frozen model's weights live in pinned
+  CPU memory and are copied to the GPU whole for its own phase, then dropped (`PhaseSwap`).
 """
 
 import weakref
@@ -252,10 +254,43 @@ def resolve_offload_modules(model, policy: str, strict=True):
     return found
 
 
+class PhaseSwap:
+    """--ref_device swap / --reward_device swap: a frozen model's weights and buffers live in CPU
+    memory (pinned when the execution device is a GPU) and are copied to the execution device
+    whole for the model's phase (`resident`), then dropped: one host-to-device copy per phase,
+    and the GPU holds them only during that phase. verl's and OpenRLHF's reference offload work
+    this way; --ref_device offload instead streams each layer in every micro-batch (one layer on
+    the GPU at a time, but the whole model crosses PCIe once per micro-batch)."""
+
+    def __init__(self, model, device):
+        self.device = device
+        pin = device.type == "cuda"
+        self.tensors, seen = [], set()
+        for module in model.modules():
+            for tensor in list(module._parameters.values()) + list(module._buffers.values()):
+                if tensor is None or id(tensor) in seen:  # tied weights: one tensor, moved once
+                    continue
+                seen.add(id(tensor))
+                tensor.data = tensor.data.pin_memory() if pin else tensor.data
+                self.tensors.append((tensor, tensor.data))  # (the model's tensor, its CPU storage)
+
+    @contextmanager
+    def resident(self):
+        for tensor, host in self.tensors:
+            tensor.data = host.to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for tensor, host in self.tensors:
+                tensor.data = host  # the GPU copy is freed (frozen: nothing to copy back)
+
+
 @contextmanager
 def resident(model):
-    """`ParamOffload.resident` of the model if it has offloaded parameters, else nothing."""
-    offload = getattr(getattr(model, "module", model), "lean_rl_param_offload", None)
+    """For a phase that runs `model`: `ParamOffload.resident` if it has offloaded parameters, its
+    whole weights on the GPU if it is swapped (PhaseSwap), else nothing (also for None)."""
+    model = getattr(model, "module", model)
+    offload = getattr(model, "lean_rl_param_offload", None) or getattr(model, "lean_rl_swap", None)
     if offload is None:
         yield
         return

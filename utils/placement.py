@@ -4,7 +4,9 @@ Each flag takes one of
   cpu | cuda | cuda:N           the whole role on one device
   balanced (or auto)            the role's layers split over this process's GPUs (a device_map)
   offload                       weights in CPU memory, run on --offload_execution_device through
-                                accelerate's cpu_offload (frozen roles only)
+                                accelerate's cpu_offload: streamed layer by layer (frozen roles only)
+  swap                          weights in pinned CPU memory, copied whole to --offload_execution_device
+                                for the role's phase and dropped after (frozen roles only)
 and defaults to the process's own device (the one accelerate gives it).
 
 Several processes on one machine: with L processes and G visible GPUs, process r owns GPUs
@@ -25,13 +27,13 @@ from utils.cli import UsageError
 
 ROLES = ("actor", "critic", "reward", "ref")
 TRAINED_ROLES = ("actor", "critic")
-_VALID = "cpu, cuda, cuda:N, balanced (or auto) or offload"
+_VALID = "cpu, cuda, cuda:N, balanced (or auto), offload or swap"
 
 
 @dataclass
 class Placement:
     role: str
-    kind: str  # "device" | "balanced" | "offload" | "adapter" (LoRA reference: the policy, adapter disabled)
+    kind: str  # "device" | "balanced" | "offload" | "swap" | "adapter" (LoRA reference: the policy, adapter disabled)
     device: torch.device  # where inputs go: the device, the first balanced GPU, or the offload execution device
     gpus: list = field(default_factory=list)  # physical GPU ids a balanced role may use
     num_params: int = 0  # recorded by place_model, for the placement table
@@ -43,6 +45,8 @@ class Placement:
             return "balanced: layers on " + ", ".join(str(d) for d in self.layer_devices)
         if self.kind == "offload":
             return f"cpu memory, runs on {self.device} (offload)"
+        if self.kind == "swap":
+            return f"cpu memory, on {self.device} for its phase (swap)"
         if self.kind == "adapter":
             return f"the actor with its LoRA adapter disabled ({self.device})"
         return str(self.device)
@@ -117,10 +121,10 @@ def resolve_placements(specs: dict, default_device, offload_execution_device=Non
                 raise UsageError(f"{flag} {value}: a trained role split over GPUs cannot be used with "
                                  f"{num_processes} DDP processes; run one process, or split only frozen roles")
             placements[role] = Placement(role, "balanced", torch.device("cuda", gpus[0]), list(gpus))
-        elif value == "offload":
+        elif value in ("offload", "swap"):
             if role in TRAINED_ROLES:
-                raise UsageError(f"{flag} offload: offload is for frozen roles (ref, reward); the {role} is trained")
-            placements[role] = Placement(role, "offload", torch.device("cpu"))  # execution device set below
+                raise UsageError(f"{flag} {value}: {value} is for frozen roles (ref, reward); the {role} is trained")
+            placements[role] = Placement(role, value, torch.device("cpu"))  # execution device set below
         else:
             raise UsageError(f"{flag} {value}: expected {_VALID}")
     if offload_execution_device is not None:
@@ -132,7 +136,7 @@ def resolve_placements(specs: dict, default_device, offload_execution_device=Non
         actor = placements.get("actor")
         exec_device = actor.device if actor is not None else default_device
     for placement in placements.values():
-        if placement.kind == "offload":
+        if placement.kind in ("offload", "swap"):
             placement.device = exec_device
     return placements
 
@@ -159,6 +163,11 @@ def place_model(model, placement: Placement):
         used = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in device_map.values()]
         placement.layer_devices = sorted(set(used), key=str)
         placement.device = used[0]  # the embeddings come first
+    elif placement.kind == "swap":  # CPU memory, the whole model on the execution device for its phase
+        from utils.offload import PhaseSwap
+
+        model.to("cpu")
+        model.lean_rl_swap = PhaseSwap(model, placement.device)
     else:  # offload: one CPU copy of the weights, streamed to the execution device module by module
         model = cpu_offload(model.to("cpu"), execution_device=placement.device)
     model.lean_rl_placement = placement

@@ -171,9 +171,11 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         # autocast casts fp32 trained weights to bf16 once per forward and keeps the copies until it ends
         comp[f"{role}/autocast_copies"] = trainable * 2 if (mixed and trainable_bytes == 4 and not args.use_lora) else 0
     uses_ref = (args.beta > 0) if algo == "grpo" else (args.kl_coef > 0 or args.target_kl is not None)
-    ref = 0
+    ref = swapped_ref = 0
     if uses_ref and not args.use_lora:
-        if args.ref_device == "offload":
+        if args.ref_device == "swap":  # on the GPU for the reference phase only
+            swapped_ref = _frozen_bytes(shape, shape.params, quant)
+        elif args.ref_device == "offload":
             ref = max(shape.embedding_params, shape.linear_params // shape.layers) * 2  # one module at a time
         elif args.ref_device in (None, "cuda", "cuda:0"):
             ref = _frozen_bytes(shape, shape.params, quant)
@@ -184,8 +186,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         body = shape.params - (0 if shape.tied else shape.embedding_params)
         reward_state = _frozen_bytes(shape, body, quant)
     reward_elsewhere = bool(reward_state) and _other_gpu(args.reward_device)
-    comp["reward/weights"] = (0 if not reward_state or args.reward_device == "cpu" or reward_elsewhere else
-                              max(shape.embedding_params, shape.linear_params // shape.layers) * 2
+    comp["reward/weights"] = (0 if not reward_state or args.reward_device in ("cpu", "swap") or reward_elsewhere
+                              else max(shape.embedding_params, shape.linear_params // shape.layers) * 2
                               if args.reward_device == "offload" else reward_state)
     from utils.args import CAPTURED_BACKENDS
     from utils.generation import static_cache_len
@@ -237,11 +239,13 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     phases = {
         "generate": static + comp["generate/kv_cache"] + comp["generate/prefill"] + comp["generate/copy"]
         + (0 if args.generation_copy else casts),
-        "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"])
+        "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"]) + swapped_ref
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
         "actor_update": static + kept + grads + max(casts + comp["update/activations"],
                                                     comp["update/activations"] + comp["update/logits"]),
     }
+    if reward_state and args.reward_device == "swap":  # the reward model on the GPU for its phase only
+        phases["reward"] = static + kept + reward_state + comp["ref/logits"] // 4
     if algo == "ppo" and not critic_elsewhere:
         phases["critic_update"] = static + kept + grads + comp["update/activations"] + positions * shape.hidden * 4
     peak_allocated = max(phases.values())
@@ -249,8 +253,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
                 other_gpus={device: used * (1 + RESERVED_SLACK) for device, used in other.items()},
                 peak_reserved=peak_allocated * (1 + RESERVED_SLACK),
                 host_bytes=offloaded * (train_bytes * 2 + _optimizer_bytes_per_param(args.optim, train_bytes))
-                + (shape.params * 2 if args.ref_device == "offload" else 0)
-                + (reward_state if args.reward_device in ("offload", "cpu") else 0),
+                + (shape.params * 2 if args.ref_device in ("offload", "swap") else 0)
+                + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0),
                 tokens_per_micro_batch=tokens, rows=rows)
 
 
@@ -263,7 +267,10 @@ LEVERS = [
     (["--torch_dtype", "bfloat16"], "bf16 weights and gradients (stochastic-rounding optimizer)",
      lambda a: a.torch_dtype == "float32" and not a.use_lora),
     (["--optim", "adamw_8bit"], "8-bit optimizer moments", lambda a: a.optim == "adamw_torch"),
-    (["--ref_offload"], "the reference in CPU memory, streamed", lambda a: a.ref_device is None and not a.use_lora),
+    (["--ref_device", "swap"], "the reference in CPU memory, on the GPU for its phase only",
+     lambda a: a.ref_device is None and not a.use_lora),
+    (["--ref_device", "offload"], "the reference in CPU memory, streamed layer by layer (slow)",
+     lambda a: a.ref_device in (None, "swap") and not a.use_lora),
     (["--activation_offload"], "checkpointed layer inputs in pinned CPU memory",
      lambda a: a.use_gradient_checkpointing and not a.activation_offload),
     (["--optim", "adamw_4bit"], "4-bit optimizer moments", lambda a: a.optim in ("adamw_torch", "adamw_8bit")),

@@ -131,6 +131,42 @@ SAME_MATH = ["--use_gradient_checkpointing", "--activation_offload", "--logprob_
              "--use_dynamic_bsz", "--max_token_len_per_gpu", "2048", "--param_offload", "--empty_cache_between_phases"]
 
 
+def test_phase_swap_on_gpu_holds_the_weights_for_the_phase_only():
+    """--ref_device swap: a frozen model in pinned CPU memory takes no GPU memory outside its phase,
+    its whole weights inside it (one copy), and gives the logprobs of the same model on the GPU;
+    against --ref_device offload (streamed per micro-batch) it is timed as well."""
+    import time
+
+    from utils.offload import resident
+    from utils.ops import batched_completion_logprobs, plan_micro_batches
+    from utils.placement import Placement, place_model
+
+    model = _llama(layers=4).eval().requires_grad_(False)
+    ids, mask, C = _batch(model.config.vocab_size, B=16, T=256, C=128)
+    plan = plan_micro_batches(mask, C, batch_size=4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = batched_completion_logprobs(model, ids, mask, plan, 1.0)
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    timings = {}
+    for kind in ("swap", "offload"):
+        placed = place_model(copy.deepcopy(model).cpu(), Placement("ref", kind, torch.device("cuda", 0)))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        with resident(placed), torch.autocast("cuda", dtype=torch.bfloat16):
+            inside = torch.cuda.memory_allocated() - base
+            got = batched_completion_logprobs(placed, ids, mask, plan, 1.0)
+        torch.cuda.synchronize()
+        timings[kind] = time.perf_counter() - start
+        after = torch.cuda.memory_allocated() - base
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        if kind == "swap":
+            assert all(p.device.type == "cpu" and p.is_pinned() for p in placed.parameters())
+            assert inside >= weights * 0.99 and after < 2**20, (inside, after, weights)
+        print(f"\n{kind}: {inside / GIB:.3f} GiB on the GPU in the phase ({weights / GIB:.3f} GiB of weights), "
+              f"{after / 2**20:.1f} MiB after; {len(plan)} micro-batches in {timings[kind]:.3f} s")
+
+
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_scripts_with_levers_on_gpu(run, tmp_path, local_model, script):
     """Baseline vs the levers that keep the math (first step equal within bf16 tolerance), then
