@@ -57,6 +57,25 @@ def test_compiled_step_gives_the_greedy_tokens_of_generate():
     assert torch.equal(ours, _hf_greedy(model, ids, mask, 10, [10**9], pad))
 
 
+def test_compiled_step_falls_back_to_eager_when_compiling_fails(monkeypatch):
+    """An architecture inductor cannot compile: a warning naming the backend, and the rollout goes
+    on uncompiled with the same greedy tokens (emulated: the compiled function raises at its first
+    call, as a BackendCompilerFailed would)."""
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+
+    def failing_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("backend='inductor' raised:\nLoweringException: emulated")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    with pytest.warns(UserWarning, match="--generation_backend compiled: torch.compile failed .*RuntimeError"):
+        ours = static_cache_generate(model, ids, mask, 10, 1.0, 1.0, 0, [10**9], pad, greedy=True,
+                                     step_mode="compiled")
+    assert torch.equal(ours, _hf_greedy(model, ids, mask, 10, [10**9], pad))
+
+
 def test_compiled_step_is_reused_by_the_next_rollout_without_recompiling():
     """The compiled pair (static cache, step) stays with the model: a second rollout of other
     prompts of the same shape compiles nothing new, empties the cache first (its tokens are

@@ -175,7 +175,7 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device):
                      cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1]
 
     if step_mode == "compiled":  # fused kernels (the graph is captured below); the random draw stays eager
-        forward = torch.compile(forward, fullgraph=False, dynamic=False)
+        forward = _compiled_or_eager(forward)
 
     def step(token, position, cache_position, mask):
         return _pick(forward(token, position, cache_position, mask), *sampling)
@@ -185,6 +185,35 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device):
     if keep:
         model.__dict__["_lean_rl_decoder"] = (key, cache, step)  # lives (and dies) with the model
     return cache, step
+
+
+def _compiled_or_eager(forward):
+    """torch.compile'd `forward`, or `forward` itself if compiling it fails at its first call (an
+    architecture or operator inductor cannot handle): a warning, and the rollout goes on as
+    --generation_backend cudagraph would (same numbers, uncompiled kernels). Out of memory is
+    not a compile failure and is raised."""
+    compiled = torch.compile(forward, fullgraph=False, dynamic=False)
+    chosen = []
+
+    def call(*args):
+        if not chosen:
+            try:
+                out = compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 (any compiler error)
+                import warnings
+
+                warnings.warn(f"--generation_backend compiled: torch.compile failed on this model "
+                              f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
+                              "decoding uncompiled (as --generation_backend cudagraph) instead")
+                chosen.append(forward)
+                return forward(*args)
+            chosen.append(compiled)
+            return out
+        return chosen[0](*args)
+
+    return call
 
 
 def _captured(model, cache, step, batch, cache_len, device, warmup=3):
