@@ -7,6 +7,7 @@ import torch
 from utils.args import CAPTURED_BACKENDS
 from utils.memory import fake_oom_check
 from utils.modeling import uncompiled_blocks
+from utils.offload import resident, side_stream
 from utils.placement import model_input_device
 
 
@@ -100,6 +101,8 @@ def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
     """The static KV cache's length: prompt + new tokens rounded up to `multiple`, so that prompts of
     nearby lengths share one cache shape (and one captured graph)."""
     return -(-(prompt_len + max_new_tokens) // multiple) * multiple
+
+
 PACKED_GQA = "lean_rl_packed_gqa_sdpa"  # the attention implementation's registered name
 
 
@@ -230,7 +233,7 @@ def _captured(model, cache, step, batch, cache_len, device, warmup=3):
     model(input_ids=token[:, None], attention_mask=mask[:, :1], position_ids=position - 1, past_key_values=cache,
           cache_position=torch.arange(1, device=device), use_cache=True, logits_to_keep=1)
     inputs = (token, position, torch.ones(1, dtype=torch.long, device=device), mask)
-    side = _side_stream(device)
+    side = side_stream(device)  # one per device, shared by every capture
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(warmup):
@@ -249,18 +252,6 @@ def _captured(model, cache, step, batch, cache_len, device, warmup=3):
 
     replay.graph = graph  # keeps the graph (and its memory pool) alive with the step
     return replay
-
-
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device):
-    """One warm-up stream per device for every capture: cuBLAS keeps a workspace (32 MiB on an
-    H200) for each stream it has run on, for the life of the process, so a new stream per capture
-    (--empty_cache_between_phases captures at every rollout) grew memory by 32 MiB per rollout."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 def _store_keys_as_values(cache):
@@ -302,8 +293,6 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
     (no EOS within max_new_tokens), all on the device of `prompt_ids`."""
-    from utils.offload import resident
-
     policy = model
     if from_copy:
         model = generation_copy(policy)

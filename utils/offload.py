@@ -22,14 +22,19 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------------
 # Activation offload
 
-_copy_streams = {}
+_side_streams = {}
 _last_saved = None  # weakref to the layer input saved last (the next one links to it for prefetch)
 
 
-def _copy_stream(device):
-    if device not in _copy_streams:
-        _copy_streams[device] = torch.cuda.Stream(device)
-    return _copy_streams[device]
+def side_stream(device):
+    """One extra CUDA stream per device, made once: activation offload's copies run on it, and
+    utils/generation.py warms up a decoding step on it before capturing a graph. Once, because
+    cuBLAS keeps a workspace (32 MiB on an H200) for every stream it has run on, for the life of
+    the process: a new stream per capture (--empty_cache_between_phases captures at every
+    rollout) grew memory by 32 MiB per rollout."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 class _SavedInput:
@@ -43,7 +48,7 @@ class _SavedInput:
         if tensor.device.type != "cuda":  # nothing to offload to
             self.host, self.offloaded = tensor, None
             return
-        stream = _copy_stream(tensor.device)
+        stream = side_stream(tensor.device)
         self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is computed
         with torch.cuda.stream(stream):
@@ -55,7 +60,7 @@ class _SavedInput:
     def prefetch(self):
         if self.offloaded is None or self.gpu is not None or self.host is None:
             return
-        stream = _copy_stream(self.device)
+        stream = side_stream(self.device)
         stream.wait_event(self.offloaded)
         with torch.cuda.stream(stream):
             self.gpu = self.host.to(self.device, non_blocking=True)
