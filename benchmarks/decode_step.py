@@ -3,6 +3,7 @@
     python benchmarks/decode_step.py --shape qwen2.5-1.5b                        # 128 rows, 256-token prompts
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled,hf --dtypes bf16
     python benchmarks/decode_step.py --shape tiny --rows 4 --prompt_length 8     # CPU smoke test
+    python benchmarks/decode_step.py --backends compiled --dtypes bf16 --profile 12  # + where a step's time goes
 
 A random-weight model of the shape (benchmarks/memory.py's config, SDPA attention) is built on
 the device, in bf16 and/or in float32 under bf16 autocast (the scripts' default numerics). Each
@@ -11,7 +12,8 @@ rollout, which compiles and captures); the time per decoding step is the differe
 the difference in tokens, so the prefill and the one-off costs drop out. Printed with the
 bandwidth floor of one step (weights + the KV cache at the mean context, as benchmarks/
 throughput.py computes it) and the memory allocated after the backend's rollouts (cudagraph and
-compiled keep their KV cache). Writes nothing.
+compiled keep their KV cache). With --profile N, the N ops (kernels on a GPU) that take the most
+device time in one more `--long` rollout, per decoding step. Writes nothing.
 """
 import argparse
 import os
@@ -39,6 +41,8 @@ def main(argv=None):
     parser.add_argument("--prompt_length", type=int, default=256)
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=80)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N ops with the most device time in one --long rollout (torch.profiler)")
     args = parser.parse_args(argv)
     if not 0 < args.short < args.long:
         parser.error("--short and --long: 0 < short < long")
@@ -84,11 +88,32 @@ def main(argv=None):
             print(f"{dtype:5s} {backend:10s} {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
                   f"({floor_ms / step_ms:.0%}) | first rollout {first:.1f} s | allocated after {allocated:.2f} GiB",
                   flush=True)
+            if args.profile:
+                print_profile(lambda: seconds(lambda: rollout(args.long)), args.profile, args.long, on_gpu)
         model.__dict__.pop("_lean_rl_decoder", None)
         del model
         torch._dynamo.reset()
         if on_gpu:
             torch.cuda.empty_cache()
+
+
+def print_profile(fn, top, steps, on_gpu):
+    """The `top` ops by device time (self time, so a kernel is not counted again in its caller), per decoding step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        fn()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0] if on_gpu else list(prof.key_averages())
+    time_of = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    events.sort(key=time_of, reverse=True)
+    total = sum(time_of(e) for e in events) or 1
+    print(f"  profile: {total / 1e3 / steps:.2f} ms of {'device' if on_gpu else 'CPU'} time per step "
+          f"(prefill included), top {top}:")
+    for e in events[:top]:
+        print(f"    {time_of(e) / 1e3 / steps:7.3f} ms/step {time_of(e) / total:5.1%} {e.count / steps:6.1f} calls/step  "
+              f"{e.key[:100]}")
 
 
 if __name__ == "__main__":
