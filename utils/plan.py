@@ -454,12 +454,17 @@ HELD_OUT = [
     ("qwen2.5-7b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
      "--generation_backend compiled".split(), 71.07),
     # 2026-12-01, later: QLoRA with and without --generation_copy (steps 2-3); the dropped cache
-    # really freed (steps 2-3 of a cut run)
+    # really freed (steps 2-5)
     ("qwen2.5-7b", "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_backend compiled".split(), 23.69),
     ("qwen2.5-7b", "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_copy "
      "--generation_backend compiled".split(), 37.77),
     ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
-     "--generation_backend compiled --torch_compile --empty_cache_between_phases".split(), 16.73),
+     "--generation_backend compiled --torch_compile --empty_cache_between_phases".split(), 16.69),
+    # 2026-12-01, next session: the reference swapped in for its phase only
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
+     "--generation_backend compiled --torch_compile --ref_device swap".split(), 16.81),
+    ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
+     "--generation_backend compiled --torch_compile --ref_device swap --per_device_train_batch_size 16".split(), 17.63),
 ]
 WORKLOAD_GRPO = ["--prompts_per_step", "16", "--num_generations", "8", "--max_prompt_length", "256",
                  "--max_completion_length", "512", "--beta", "0.04", "--model_name_or_path", "x"]
