@@ -3,7 +3,7 @@
     python benchmarks/decode_step.py --shape qwen2.5-1.5b                        # 128 rows, 256-token prompts
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled,hf --dtypes bf16
     python benchmarks/decode_step.py --shape tiny --rows 4 --prompt_length 8     # CPU smoke test
-    python benchmarks/decode_step.py --backends compiled --dtypes bf16 --profile 12  # + where a step's time goes
+    python benchmarks/decode_step.py --backends compiled --dtypes bf16 --long 400 --profile 12  # 768-position cache, kernels
 
 A random-weight model of the shape (benchmarks/memory.py's config, SDPA attention) is built on
 the device, in bf16 and/or in float32 under bf16 autocast (the scripts' default numerics). Each
@@ -12,8 +12,10 @@ rollout, which compiles and captures); the time per decoding step is the differe
 the difference in tokens, so the prefill and the one-off costs drop out. Printed with the
 bandwidth floor of one step (weights + the KV cache at the mean context, as benchmarks/
 throughput.py computes it) and the memory allocated after the backend's rollouts (cudagraph and
-compiled keep their KV cache). With --profile N, the N ops (kernels on a GPU) that take the most
-device time in one more `--long` rollout, per decoding step. Writes nothing.
+compiled keep their KV cache). The compiled backend runs once per --decode_attention (flex: the
+scripts' choice, flex_attention's split-KV decoding kernel; sdpa: the packed SDPA call). With
+--profile N, the N kernels that take the most time per decoding step (one more short and one more
+long rollout under torch.profiler, differenced like the step time). Writes nothing.
 """
 import argparse
 import os
@@ -30,6 +32,7 @@ def main(argv=None):
 
     from benchmarks.memory import shape_config
     from benchmarks.throughput import measure_ceilings
+    from utils import generation
     from utils.generation import build_generation_config, generate_completions
     from utils.plan import SHAPES, kv_bytes_per_token, load_shape
 
@@ -41,8 +44,10 @@ def main(argv=None):
     parser.add_argument("--prompt_length", type=int, default=256)
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=80)
+    parser.add_argument("--decode_attention", default="flex,sdpa",
+                        help="for the compiled backend: flex (the scripts' choice) and/or sdpa (utils.generation.DECODE_ATTENTION)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="also print the N ops with the most device time in one --long rollout (torch.profiler)")
+                        help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
     if not 0 < args.short < args.long:
         parser.error("--short and --long: 0 < short < long")
@@ -77,19 +82,26 @@ def main(argv=None):
         weight_bytes = shape.params * (2 if dtype == "bf16" else 4)  # under autocast the float32 weights are read
         context = args.prompt_length + (args.short + args.long) / 2
         floor_ms = (weight_bytes + args.rows * context * kv_bytes_per_token(shape)) / ceilings["bandwidth_gb_s"] / 1e6
-        for backend in args.backends.split(","):
+        variants = [(backend, attention) for backend in args.backends.split(",")
+                    for attention in (args.decode_attention.split(",") if backend == "compiled" and on_gpu else ["sdpa"])]
+        for backend, attention in variants:
             def rollout(n):  # as the scripts generate; no eos id matches, so every row runs n tokens
                 generation_config = build_generation_config(n, 1.0, 1.0, 0, config.pad_token_id, [10**9])
                 generate_completions(model, ids, mask, generation_config, [10**9], backend=backend)
+            generation.DECODE_ATTENTION = attention  # read when the compiled step is traced
+            model.__dict__.pop("_lean_rl_decoder", None)  # each variant compiles and captures its own step
+            torch._dynamo.reset()
             first = seconds(lambda: rollout(args.short))
             short, long = seconds(lambda: rollout(args.short)), seconds(lambda: rollout(args.long))
             step_ms = (long - short) / (args.long - args.short) * 1e3
             allocated = torch.cuda.memory_allocated() / 2**30 if on_gpu else float("nan")
-            print(f"{dtype:5s} {backend:10s} {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
+            name = f"{backend}+{generation.DECODE_ATTENTION}" if backend == "compiled" else backend
+            print(f"{dtype:5s} {name:15s} {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
                   f"({floor_ms / step_ms:.0%}) | first rollout {first:.1f} s | allocated after {allocated:.2f} GiB",
                   flush=True)
             if args.profile:
-                print_profile(lambda: seconds(lambda: rollout(args.long)), args.profile, args.long, on_gpu)
+                print_profile(lambda: rollout(args.short), lambda: rollout(args.long), args.long - args.short,
+                              args.profile, on_gpu)
         model.__dict__.pop("_lean_rl_decoder", None)
         del model
         torch._dynamo.reset()
@@ -97,23 +109,34 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
 
-def print_profile(fn, top, steps, on_gpu):
-    """The `top` ops by device time (self time, so a kernel is not counted again in its caller), per decoding step."""
+def print_profile(short_rollout, long_rollout, steps, top, on_gpu):
+    """The `top` kernels (on a CPU: ops) by time per decoding step: each kernel's time in a long rollout
+    less its time in a short one, over the difference in steps, so the prefill drops out as it does from
+    the step time. Kernels only (not the ops that launched them: those would count the time twice);
+    inside a replayed CUDA graph the profiler sees kernels only anyway."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
-        fn()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0] if on_gpu else list(prof.key_averages())
-    time_of = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
-    events.sort(key=time_of, reverse=True)
-    total = sum(time_of(e) for e in events) or 1
-    print(f"  profile: {total / 1e3 / steps:.2f} ms of {'device' if on_gpu else 'CPU'} time per step "
-          f"(prefill included), top {top}:")
-    for e in events[:top]:
-        print(f"    {time_of(e) / 1e3 / steps:7.3f} ms/step {time_of(e) / total:5.1%} {e.count / steps:6.1f} calls/step  "
-              f"{e.key[:100]}")
+
+    def kernels(fn):
+        with profile(activities=activities) as prof:
+            fn()
+            if on_gpu:
+                torch.cuda.synchronize()
+        if on_gpu:
+            return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+                    if e.device_type == DeviceType.CUDA}
+        return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()}
+
+    short, long = kernels(short_rollout), kernels(long_rollout)
+    per_step = {key: ((us - short.get(key, (0, 0))[0]) / steps, (count - short.get(key, (0, 0))[1]) / steps)
+                for key, (us, count) in long.items()}
+    total = sum(max(us, 0) for us, _ in per_step.values())
+    print(f"  profile: {total / 1e3:.3f} ms of {'kernel' if on_gpu else 'CPU op'} time per decoding step, top {top}:")
+    for key, (us, count) in sorted(per_step.items(), key=lambda item: -item[1][0])[:top]:
+        print(f"    {us / 1e3:7.3f} ms {us / total:5.1%} {count:5.1f} per step  {key[:110]}")
 
 
 if __name__ == "__main__":
