@@ -3,7 +3,8 @@
     python benchmarks/decode_step.py --shape qwen2.5-1.5b                        # 128 rows, 256-token prompts
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled,hf --dtypes bf16
     python benchmarks/decode_step.py --shape tiny --rows 4 --prompt_length 8     # CPU smoke test
-    python benchmarks/decode_step.py --backends compiled --dtypes bf16 --long 400 --profile 12  # 768-position cache, kernels
+    python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
+                                                   # the workload's 768-position cache, and where the time goes
 
 A random-weight model of the shape (benchmarks/memory.py's config, SDPA attention) is built on
 the device, in bf16 and/or in float32 under bf16 autocast (the scripts' default numerics). Each
@@ -12,10 +13,11 @@ rollout, which compiles and captures); the time per decoding step is the differe
 the difference in tokens, so the prefill and the one-off costs drop out. Printed with the
 bandwidth floor of one step (weights + the KV cache at the mean context, as benchmarks/
 throughput.py computes it) and the memory allocated after the backend's rollouts (cudagraph and
-compiled keep their KV cache). The compiled backend runs once per --decode_attention (flex: the
-scripts' choice, flex_attention's split-KV decoding kernel; sdpa: the packed SDPA call). With
---profile N, the N kernels that take the most time per decoding step (one more short and one more
-long rollout under torch.profiler, differenced like the step time). Writes nothing.
+compiled keep their KV cache). --short and --long must give one cache length (prompt + new tokens,
+rounded up to 128; 256 + 400..512 -> 768, the W-GRPO workload's): a second length would compile and
+capture a second step inside the timing. With --profile N, the N kernels that take the most time per
+decoding step (one more short and one more long rollout under torch.profiler, differenced like the
+step time). Writes nothing.
 """
 import argparse
 import os
@@ -32,8 +34,7 @@ def main(argv=None):
 
     from benchmarks.memory import shape_config
     from benchmarks.throughput import measure_ceilings
-    from utils import generation
-    from utils.generation import build_generation_config, generate_completions
+    from utils.generation import build_generation_config, generate_completions, static_cache_len
     from utils.plan import SHAPES, kv_bytes_per_token, load_shape
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,13 +45,15 @@ def main(argv=None):
     parser.add_argument("--prompt_length", type=int, default=256)
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=80)
-    parser.add_argument("--decode_attention", default="flex,sdpa",
-                        help="for the compiled backend: flex (the scripts' choice) and/or sdpa (utils.generation.DECODE_ATTENTION)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
     if not 0 < args.short < args.long:
         parser.error("--short and --long: 0 < short < long")
+    cache = [static_cache_len(args.prompt_length, n) for n in (args.short, args.long)]
+    if cache[0] != cache[1]:
+        parser.error(f"--short {args.short} and --long {args.long} give static caches of {cache[0]} and {cache[1]} "
+                     f"positions after {args.prompt_length}-token prompts: choose both within one multiple of 128")
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     config = shape_config(args.shape)
@@ -82,21 +85,15 @@ def main(argv=None):
         weight_bytes = shape.params * (2 if dtype == "bf16" else 4)  # under autocast the float32 weights are read
         context = args.prompt_length + (args.short + args.long) / 2
         floor_ms = (weight_bytes + args.rows * context * kv_bytes_per_token(shape)) / ceilings["bandwidth_gb_s"] / 1e6
-        variants = [(backend, attention) for backend in args.backends.split(",")
-                    for attention in (args.decode_attention.split(",") if backend == "compiled" and on_gpu else ["sdpa"])]
-        for backend, attention in variants:
+        for backend in args.backends.split(","):
             def rollout(n):  # as the scripts generate; no eos id matches, so every row runs n tokens
                 generation_config = build_generation_config(n, 1.0, 1.0, 0, config.pad_token_id, [10**9])
                 generate_completions(model, ids, mask, generation_config, [10**9], backend=backend)
-            generation.DECODE_ATTENTION = attention  # read when the compiled step is traced
-            model.__dict__.pop("_lean_rl_decoder", None)  # each variant compiles and captures its own step
-            torch._dynamo.reset()
             first = seconds(lambda: rollout(args.short))
             short, long = seconds(lambda: rollout(args.short)), seconds(lambda: rollout(args.long))
             step_ms = (long - short) / (args.long - args.short) * 1e3
             allocated = torch.cuda.memory_allocated() / 2**30 if on_gpu else float("nan")
-            name = f"{backend}+{generation.DECODE_ATTENTION}" if backend == "compiled" else backend
-            print(f"{dtype:5s} {name:15s} {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
+            print(f"{dtype:5s} {backend:10s} {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
                   f"({floor_ms / step_ms:.0%}) | first rollout {first:.1f} s | allocated after {allocated:.2f} GiB",
                   flush=True)
             if args.profile:
@@ -121,7 +118,7 @@ def print_profile(short_rollout, long_rollout, steps, top, on_gpu):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
 
     def kernels(fn):
-        with profile(activities=activities) as prof:
+        with torch.no_grad(), profile(activities=activities) as prof:
             fn()
             if on_gpu:
                 torch.cuda.synchronize()

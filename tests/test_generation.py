@@ -153,45 +153,6 @@ def test_packed_gqa_attention_equals_sdpa_with_repeated_heads():
     torch.testing.assert_close(ours, repeated.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
-def test_flex_decoding_attention_compiled_equals_sdpa_with_repeated_heads(mask_kind):
-    """The compiled decoding step's attention on a GPU (flex_attention, compiled here on the CPU):
-    one query token, 12 query heads over 2 key/value heads, padding and unwritten positions masked
-    by SDPA's boolean mask or its additive form: equal to SDPA on repeated heads."""
-    from utils.generation import flex_decoding_attention
-
-    torch.manual_seed(0)
-    query, key, value = torch.randn(3, 12, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
-    keep = torch.rand(3, 1, 1, 40) > 0.3
-    keep[1, ..., 20:] = False  # a row whose cache is half written
-    mask = keep if mask_kind == "bool" else torch.zeros(3, 1, 1, 40).masked_fill(~keep, torch.finfo(torch.float32).min)
-    repeated = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(6, dim=1), value.repeat_interleave(6, dim=1), attn_mask=keep, scale=0.25)
-    torch._dynamo.reset()
-    ours = torch.compile(flex_decoding_attention)(query, key, value, mask, 0.25)
-    assert ours.shape == (3, 1, 12, 16)
-    torch.testing.assert_close(ours, repeated.transpose(1, 2), rtol=1e-5, atol=1e-5)
-
-
-def test_compiled_step_takes_sdpa_when_flex_fails_to_compile(monkeypatch):
-    """Where flex_attention cannot be compiled into the decoding step (really so on a CPU, whose
-    flex kernel cannot read the model's in-graph mask: flex forced on here), the step is compiled
-    again with SDPA's attention, with a warning, and gives generate's greedy tokens."""
-    from utils import generation
-
-    monkeypatch.setattr(generation, "DECODE_ATTENTION", "flex")
-    monkeypatch.setattr(generation, "_decode_by_flex", lambda query: generation.DECODE_ATTENTION == "flex"
-                        and torch.compiler.is_compiling())
-    model, tokenizer, ids, mask = _model_and_prompts()
-    pad = tokenizer.pad_token_id
-    torch._dynamo.reset()
-    with pytest.warns(UserWarning, match="compiling the decoding step with flex_attention failed"):
-        ours = static_cache_generate(model, ids, mask, 6, 1.0, 1.0, 0, [10**9], pad, greedy=True,
-                                     step_mode="compiled")
-    assert generation.DECODE_ATTENTION == "sdpa"
-    assert torch.equal(ours, _hf_greedy(model, ids, mask, 6, [10**9], pad))
-
-
 def test_static_loop_decodes_through_the_packed_attention_and_restores_sdpa(monkeypatch):
     from utils import generation
 

@@ -104,17 +104,6 @@ def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
 
 
 PACKED_GQA = "lean_rl_packed_gqa_sdpa"  # the attention implementation's registered name
-# How a compiled decoding step on a GPU attends (--generation_backend compiled; the eager calls and
-# CPUs always take SDPA): "flex" (torch's flex_attention, which inductor turns into a split-KV
-# decoding kernel) or "sdpa" (the packed SDPA call below). Set to "sdpa" for the process if compiling
-# flex fails (_compiled_or_eager); benchmarks/decode_step.py sets it to compare the two.
-DECODE_ATTENTION = "flex"
-
-
-def _decode_by_flex(query):
-    """Whether this attention call is part of a compiled decoding step that flex should take. Not on a
-    CPU: inductor's CPU flex kernel cannot read a mask computed inside the graph, as the model's is."""
-    return DECODE_ATTENTION == "flex" and torch.compiler.is_compiling() and query.device.type == "cuda"
 
 
 def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -125,8 +114,7 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     transformers' SDPA path with a mask (as a static cache needs) copies every layer's keys and
     values Hq/Hkv times first (`repeat_kv`: about 17 GB written per step at qwen2.5-1.5b, 128 rows,
     768 positions, computed); transformers 5.24 packs like this outside torch.compile only. Same
-    numbers. On an H200 the 1.5b step went from 7.4 to 3.5 ms (compiled, bf16). A step being
-    compiled attends by flex_decoding_attention instead (DECODE_ATTENTION)."""
+    numbers. On an H200 the 1.5b step went from 7.4 to 3.5 ms (compiled, bf16)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, dim = query.shape
@@ -135,35 +123,9 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     if q_len != 1 or groups == 1 or not mask_shared or dropout or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if _decode_by_flex(query):
-        return flex_decoding_attention(query, key, value, attention_mask, scaling), None
     packed = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None  # [B, 1, Hq, D]
-
-
-def flex_decoding_attention(query, key, value, attention_mask, scaling):
-    """One query token against the static cache by flex_attention, for a step being compiled: inductor
-    makes it a decoding kernel that splits each row's cache over many thread blocks (flash-decoding),
-    where SDPA's kernels (cuDNN's on an H200) give one block a whole (row, key/value head) cache and
-    ran at about a fifth of the bandwidth bound (benchmarks/decode_step.py --profile). Grouped heads
-    read their key/value head directly (enable_gqa); the padding and not-yet-written positions are
-    masked as SDPA's boolean or additive mask says. Under autocast SDPA computes in the values' dtype;
-    so does this. query [B, Hq, 1, D], key/value [B, Hkv, L, D] -> [B, 1, Hq, D]."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    dtype = value.dtype
-    score_mod = None
-    if attention_mask is not None:
-        row_mask = attention_mask[:, 0, -1]  # [B, L]: the query's row of the mask
-        if row_mask.dtype == torch.bool:
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return torch.where(row_mask[b, kv_idx], score, -float("inf"))
-        else:
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + row_mask[b, kv_idx]
-    out = flex_attention(query.to(dtype), key.to(dtype), value, score_mod=score_mod, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous()
 
 
 @contextmanager
@@ -237,7 +199,6 @@ def _compiled_or_eager(forward):
     chosen = []
 
     def call(*args):
-        global DECODE_ATTENTION
         if not chosen:
             try:
                 out = compiled(*args)
@@ -246,14 +207,8 @@ def _compiled_or_eager(forward):
             except Exception as error:  # noqa: BLE001 (any compiler error)
                 import warnings
 
-                what = f"{type(error).__name__}: " + " ".join(line.strip() for line in str(error).splitlines()
-                                                              if line.strip())[:300]
-                if DECODE_ATTENTION == "flex":  # compiled again with SDPA's attention (dynamo guards on the choice)
-                    warnings.warn(f"--generation_backend compiled: compiling the decoding step with flex_attention "
-                                  f"failed ({what}); compiling it with SDPA's attention instead")
-                    DECODE_ATTENTION = "sdpa"
-                    return call(*args)
-                warnings.warn(f"--generation_backend compiled: torch.compile failed on this model ({what}); "
+                warnings.warn(f"--generation_backend compiled: torch.compile failed on this model "
+                              f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
                               "decoding uncompiled (as --generation_backend cudagraph) instead")
                 chosen.append(forward)
                 return forward(*args)
