@@ -50,6 +50,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 < args.short < args.long:
         parser.error("--short and --long: 0 < short < long")
+    if args.profile < 0:
+        parser.error(f"--profile {args.profile}: the number of kernels to print, 0 (no profile) or more")
     cache = [static_cache_len(args.prompt_length, n) for n in (args.short, args.long)]
     if cache[0] != cache[1]:
         parser.error(f"--short {args.short} and --long {args.long} give static caches of {cache[0]} and {cache[1]} "

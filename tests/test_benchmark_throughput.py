@@ -69,3 +69,6 @@ def test_decode_step_benchmark_runs_on_the_cpu(capsys):
     with pytest.raises(SystemExit):  # 4 + 100 and 4 + 200 tokens: caches of 128 and 256 positions
         decode_step.main(["--shape", "tiny", "--prompt_length", "4", "--short", "100", "--long", "200"])
     assert "choose both within one multiple of 128" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        decode_step.main(["--shape", "tiny", "--profile", "-1"])
+    assert "--profile -1: the number of kernels to print" in capsys.readouterr().err
