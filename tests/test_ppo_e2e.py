@@ -1,7 +1,6 @@
 """End-to-end runs of train_ppo.py on the embedded tiny models (CPU, subprocesses), and its
 bad-input errors."""
 import re
-import time
 
 import pytest
 
@@ -10,22 +9,25 @@ from helpers import assert_same_weights, launch_two_cpu_processes, metrics_of, s
 
 
 def test_debug_run_learns_the_toy_task(run, tmp_path):
-    start = time.time()
     result = run(["--debug", "--output_dir", str(tmp_path)], script="train_ppo.py")
-    elapsed = time.time() - start
     assert result.returncode == 0, result.stderr[-3000:]
     before, after = map(float, re.search(r"reward: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)",
                                          result.stdout).groups())
-    print(f"ppo debug run: reward {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
+    print(f"ppo debug run: reward {before:.3f} -> {after:.3f}")
     assert before < 0.25 and after > before + 0.4, (before, after)
-    assert elapsed < 300
-    last = metrics_of(tmp_path)[-1]
+    rows = metrics_of(tmp_path)
+    last = rows[-1]
     for key in ("policy/approx_kl", "policy/clipfrac", "policy/entropy", "policy/kl", "policy/kl_coef",
                 "value/explained_variance", "value/returns_mean", "value/clipfrac", "loss/policy", "loss/value",
                 "reward/mean", "reward/rlhf_mean", "time/generate", "time/old_logprobs", "time/ref", "time/values",
                 "time/reward", "time/actor_update", "time/critic_update"):
         assert key in last, key
-    assert last["value/explained_variance"] > 0.2  # the critic learned something
+    # the critic learned something: one step's explained variance says little once the rewards are nearly
+    # constant (it was -0.004 at the last step on one CPU, 0.66 on another), so the median over the second
+    # half of the run is asserted (0.55 on the 2-core CI replica); at the start it is about 0
+    second_half = sorted(r["value/explained_variance"] for r in rows[len(rows) // 2:])
+    first_steps = [r["value/explained_variance"] for r in rows[:10]]
+    assert second_half[len(second_half) // 2] > 0.2 > max(first_steps[1:]), (second_half, first_steps)
     assert "| critic_update " in result.stdout and "critic " in result.stdout  # per-phase line, placement table
 
 
