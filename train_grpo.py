@@ -339,7 +339,7 @@ def main(argv=None):
             prompt_mask = prompt_mask.repeat_interleave(G, 0)
             with gathered_for_generation(engine, model, args.gather_for_generation):  # ZeRO-3, FSDP2
                 completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
-                    unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids, args.generation_batch_size,
+                    unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids, args.generation_slice_size,
                     args.generation_backend, keep_decoder=not args.empty_cache_between_phases,
                     from_copy=args.generation_copy), "generate", kind="generation")  # [B, C] x2, [B]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]

@@ -67,13 +67,13 @@ SWEEP = [
     ("bf16_weights", "--torch_dtype bfloat16"),
     ("ref_offload", "--ref_offload"),
     ("param_offload", "--param_offload --offload_policy embedding,lm_head"),
-    ("gen_bsz_32", "--generation_batch_size 32"),
+    ("gen_bsz_32", "--generation_slice_size 32"),
     ("empty_cache", "--empty_cache_between_phases"),
     ("lora", "--use_lora"),
     ("qlora", "--use_lora --load_in_4bit"),
     ("best", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu 8192 "
              "--logprob_chunk_size 1024 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload "
-             "--generation_batch_size 32 --empty_cache_between_phases"),
+             "--generation_slice_size 32 --empty_cache_between_phases"),
 ]
 # the targets (W-GRPO, peak reserved over the whole step): name -> (shape, flags, GiB limit)
 FULL_7B = ("--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu 8192 "
@@ -83,17 +83,17 @@ TARGETS = {
     "7b_full": ("qwen2.5-7b", FULL_7B + " --param_offload --offload_policy embedding,lm_head", 48.0),
     "7b_full_no_param_offload": ("qwen2.5-7b", FULL_7B, 48.0),
     "7b_qlora": ("qwen2.5-7b", "--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload "
-                 "--use_dynamic_bsz --max_token_len_per_gpu 8192 --logprob_chunk_size 1024 --generation_batch_size 32 "
+                 "--use_dynamic_bsz --max_token_len_per_gpu 8192 --logprob_chunk_size 1024 --generation_slice_size 32 "
                  "--empty_cache_between_phases --param_offload --offload_policy embedding", 10.0),
     "7b_lora_bf16": ("qwen2.5-7b", "--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --activation_offload "
-                     "--use_dynamic_bsz --max_token_len_per_gpu 8192 --logprob_chunk_size 1024 --generation_batch_size 32 "
+                     "--use_dynamic_bsz --max_token_len_per_gpu 8192 --logprob_chunk_size 1024 --generation_slice_size 32 "
                      "--empty_cache_between_phases --param_offload --offload_policy embedding,lm_head", 20.0),
     "1.5b_full": ("qwen2.5-1.5b", FULL_7B.replace("8192", "4096").replace("1024", "256")
-                  + " --generation_batch_size 64 --param_offload --offload_policy embedding", 12.0),
+                  + " --generation_slice_size 64 --param_offload --offload_policy embedding", 12.0),
 }
 # flags that must not change the math: a config made only of these must match the baseline's step 1
 SAME_MATH_FLAGS = {"--use_gradient_checkpointing", "--activation_offload", "--logprob_chunk_size", "--use_dynamic_bsz",
-                   "--max_token_len_per_gpu", "--param_offload", "--offload_policy", "--generation_batch_size",
+                   "--max_token_len_per_gpu", "--param_offload", "--offload_policy", "--generation_slice_size",
                    "--empty_cache_between_phases"}
 LOSS_ATOL, RTOL = 1e-3, 2e-2  # bf16 tolerance: |loss - base| <= 1e-3 + 2e-2 |base|, |gn - base| <= 2e-2 |base|
 SLOW = 0.30  # a config slower than the baseline by more than this is flagged

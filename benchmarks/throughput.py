@@ -15,7 +15,7 @@ never samples eos) and prints, from the run's metrics.jsonl: the median step tim
 
 - decode: the generate phase's time per new token (prefill included) against the bandwidth floor,
   the time to read the weights once plus every row's KV cache at the mean context length, per
-  decoding step, for each --generation_batch_size slice;
+  decoding step, for each --generation_slice_size slice;
 - update and reference: achieved TFLOP/s (6 x matmul parameters x tokens for forward+backward,
   8 with --use_gradient_checkpointing's recompute, 2 for a no-grad forward) against the matmul
   rate. Attention's own FLOPs are left out (they are under 10% at 768 tokens).
@@ -98,7 +98,7 @@ def roofline(shape_name, script, flags, result, ceilings) -> dict:
         weight_bytes = 1.05
     if "--generation_copy" in flags:  # generation reads the bf16 copy
         weight_bytes = 2
-    slice_rows = min(int(flag_value(flags, "--generation_batch_size", rows)), rows)
+    slice_rows = min(int(flag_value(flags, "--generation_slice_size", rows)), rows)
     slices = -(-rows // slice_rows)
     context = prompt_len + mean_len / 2
     floor_per_step = slices * (shape.params * weight_bytes + slice_rows * context * kv_bytes_per_token(shape)) / (

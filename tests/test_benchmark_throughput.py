@@ -28,7 +28,7 @@ def test_roofline_against_a_hand_count():
     assert line["decode_step_ms"] == pytest.approx(10.24 / 512 * 1e3)
     assert line["decode_fraction_of_floor"] == pytest.approx(floor / (10.24 / 512))
     # bf16 weights in 4 slices of 32: four passes over half the bytes
-    sliced = bench.roofline("qwen2.5-1.5b", "grpo", ["--torch_dtype", "bfloat16", "--generation_batch_size", "32"],
+    sliced = bench.roofline("qwen2.5-1.5b", "grpo", ["--torch_dtype", "bfloat16", "--generation_slice_size", "32"],
                             result, ceilings)
     assert sliced["decode_floor_ms"] == pytest.approx(
         4 * (1_543_714_304 * 2 + 32 * 512 * 28 * 2 * 2 * 128 * 2) / 4000e9 * 1e3)

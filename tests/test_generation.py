@@ -114,7 +114,7 @@ def test_empty_cache_between_phases_drops_the_kept_decoder():
 
 @pytest.mark.parametrize("backend", ["hf", "static"])
 def test_slices_grouped_by_prompt_length_give_each_row_its_own_completion(backend):
-    """--generation_batch_size: the rows are generated in slices of similar prompt length, each
+    """--generation_slice_size: the rows are generated in slices of similar prompt length, each
     without the left padding all its rows share, and come back in their order: near-greedy
     sampling (temperature 1e-4) gives every row the completion it gets in one batch."""
     from utils.generation import build_generation_config, generate_completions

@@ -82,9 +82,9 @@ def test_out_of_memory_is_explained_and_the_checkpoint_survives(run, tmp_path, s
 
 
 @pytest.mark.parametrize("script, extra, sizes", [
-    ("train_grpo.py", [], ["--per_device_train_batch_size", "32", "--generation_batch_size", "32"]),
-    ("train_grpo.py", ["--beta", "0"], ["--per_device_train_batch_size", "32", "--generation_batch_size", "32"]),
-    ("train_ppo.py", [], ["--per_device_train_batch_size", "16", "--generation_batch_size", "16"]),
+    ("train_grpo.py", [], ["--per_device_train_batch_size", "32", "--generation_slice_size", "32"]),
+    ("train_grpo.py", ["--beta", "0"], ["--per_device_train_batch_size", "32", "--generation_slice_size", "32"]),
+    ("train_ppo.py", [], ["--per_device_train_batch_size", "16", "--generation_slice_size", "16"]),
 ])
 def test_auto_reduce_micro_batch_redoes_passes_exactly(run, tmp_path, script, extra, sizes):
     """Every forward over more than 40 (GRPO) / 20 (PPO) rows runs out of memory (injected). With
@@ -96,7 +96,7 @@ def test_auto_reduce_micro_batch_redoes_passes_exactly(run, tmp_path, script, ex
     shrunk = run(common + ["--auto_reduce_micro_batch", "--output_dir", str(tmp_path / "shrunk")], script=script,
                  env={"LEAN_RL_FAKE_OOM_ROWS": limit})
     assert shrunk.returncode == 0, shrunk.stderr[-3000:]
-    assert "out of memory in generate: retrying with --generation_batch_size" in shrunk.stderr
+    assert "out of memory in generate: retrying with --generation_slice_size" in shrunk.stderr
     first_oom_pass = "actor_update" if extra else ("ref" if script == "train_grpo.py" else "old_logprobs")
     assert f"out of memory in {first_oom_pass}: retrying with --per_device_train_batch_size" in shrunk.stderr
     plain = run(common + sizes + ["--output_dir", str(tmp_path / "plain")], script=script)
@@ -116,7 +116,7 @@ def test_shrinker_zeroes_partial_gradients_before_the_retry():
 
     weight = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
-    args = SimpleNamespace(per_device_train_batch_size=4, use_dynamic_bsz=False, generation_batch_size=None,
+    args = SimpleNamespace(per_device_train_batch_size=4, use_dynamic_bsz=False, generation_slice_size=None,
                            max_prompt_length=4, max_completion_length=4)
     data = torch.arange(8.0)
 

@@ -38,7 +38,7 @@ class SharedArgs:
     reward_offload: bool = field(default=False, metadata={"help": "Shorthand for --reward_device offload."})
     param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use; one process only. Same math."})
     offload_policy: str = field(default="embedding,lm_head", metadata={"help": "Comma list for --param_offload: embedding (input embeddings), lm_head (output embeddings), or names of Linear/Embedding modules."})
-    generation_batch_size: Optional[int] = field(default=None, metadata={"help": "Generate rollouts this many prompts' completions at a time (smaller KV cache), in slices of similar prompt length without their shared left padding; default: all at once."})
+    generation_slice_size: Optional[int] = field(default=None, metadata={"help": "Decode this many rollouts (completions) at a time (smaller KV cache), in slices of similar prompt length without their shared left padding; default: all of the step's at once. Not TRL's --generation_batch_size (completions generated per round)."})
     generation_backend: Literal["hf", "static", "cudagraph", "compiled"] = field(default="hf", metadata={"help": "Rollouts with transformers' generate (hf), or this project's loop over a static KV cache (static), with each decoding step replayed as one captured CUDA graph (cudagraph), or compiled with torch.compile and then captured (compiled; a minute of compiling at start; if compiling fails on a model, a warning and the uncompiled step). cudagraph/compiled: GPU only (static elsewhere); they keep their KV cache allocated between rollouts. Same sampling distribution (temperature, top-k, top-p, EOS); other random draws."})
     generation_copy: bool = field(default=False, metadata={"help": "Generate from a bf16 copy of the policy, refreshed before each rollout: LoRA merged into the weights, 4-bit/8-bit weights dequantised (QLoRA then decodes from plain bf16 matrices). Costs one bf16 copy of the weights in memory; generation runs in bf16 throughout, the training forward keeps its numerics."})
     gather_for_generation: bool = field(default=True, metadata={"help": "Under DeepSpeed ZeRO-3 or FSDP2: gather the policy's full weights once for each rollout (one full copy in memory during generation); false: each layer is gathered at every decoding step (less memory, much slower). No effect otherwise."})
@@ -156,8 +156,8 @@ def check_memory_args(args, num_processes=1):
     for name in ("logprob_chunk_size", "entropy_coef"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
-    if args.generation_batch_size is not None and args.generation_batch_size < 1:
-        raise UsageError(f"--generation_batch_size must be at least 1 (got {args.generation_batch_size})")
+    if args.generation_slice_size is not None and args.generation_slice_size < 1:
+        raise UsageError(f"--generation_slice_size must be at least 1 (got {args.generation_slice_size})")
     if args.load_in_4bit and args.load_in_8bit:
         raise UsageError("--load_in_4bit and --load_in_8bit: choose one")
     if (args.load_in_4bit or args.load_in_8bit) and args.model_name_or_path is None:

@@ -281,7 +281,7 @@ def _keys_as_values_class(cls):
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
                          backend="hf", keep_decoder=True, from_copy=False):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
-    a time (--generation_batch_size: a smaller KV cache; default all at once; the slices grouped by
+    a time (--generation_slice_size: a smaller KV cache; default all at once; the slices grouped by
     prompt length), with `generate`
     (backend hf) or static_cache_generate (static; cudagraph: its decoding step replayed as one
     CUDA graph; compiled: compiled, then replayed as one CUDA graph). keep_decoder=False

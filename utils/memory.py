@@ -377,7 +377,7 @@ def fake_oom_check(rows):
 class MicroBatchShrinker:
     """--auto_reduce_micro_batch: a pass that runs out of memory is redone with half the
     micro-batch (--per_device_train_batch_size, or --max_token_len_per_gpu with --use_dynamic_bsz;
-    for generation, --generation_batch_size), down to one sequence; the smaller size stays for
+    for generation, --generation_slice_size), down to one sequence; the smaller size stays for
     later steps. The caller's pass starts from scratch (gradients zeroed first), so no sample is
     lost or counted twice and the accumulated gradient is exact."""
 
@@ -388,7 +388,7 @@ class MicroBatchShrinker:
     def _can_shrink(self, kind):
         a = self.args
         if kind == "generation":
-            return (a.generation_batch_size or self.rows) > 1
+            return (a.generation_slice_size or self.rows) > 1
         if a.use_dynamic_bsz:
             return a.max_token_len_per_gpu > a.max_prompt_length + a.max_completion_length
         return a.per_device_train_batch_size > 1
@@ -398,7 +398,7 @@ class MicroBatchShrinker:
 
         a = self.args
         if kind == "generation":
-            flag, value = "generation_batch_size", max((a.generation_batch_size or self.rows) // 2, 1)
+            flag, value = "generation_slice_size", max((a.generation_slice_size or self.rows) // 2, 1)
         elif a.use_dynamic_bsz:
             flag = "max_token_len_per_gpu"
             value = max(a.max_token_len_per_gpu // 2, a.max_prompt_length + a.max_completion_length)

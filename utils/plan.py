@@ -142,7 +142,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         rows = args.prompts_per_step // num_processes * args.num_generations
     else:
         rows = args.prompts_per_step // num_processes
-    gen_rows = min(args.generation_batch_size or rows, rows)
+    gen_rows = min(args.generation_slice_size or rows, rows)
     mixed = args.mixed_precision != "no"  # auto is bf16 on a GPU
     train_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
     quant = 0.52 if args.load_in_4bit else 1.02 if args.load_in_8bit else None  # bytes per quantised weight
@@ -276,8 +276,8 @@ LEVERS = [
     (["--optim", "adamw_4bit"], "4-bit optimizer moments", lambda a: a.optim in ("adamw_torch", "adamw_8bit")),
     (["--use_dynamic_bsz", "--max_token_len_per_gpu", "4096"], "micro-batches of at most 4096 tokens",
      lambda a: not a.use_dynamic_bsz and a.per_device_train_batch_size * (a.max_prompt_length + a.max_completion_length) > 4096),
-    (["--generation_batch_size", "32"], "rollouts 32 at a time (smaller KV cache)",
-     lambda a: (a.generation_batch_size or 1 << 30) > 32),
+    (["--generation_slice_size", "32"], "rollouts 32 at a time (smaller KV cache)",
+     lambda a: (a.generation_slice_size or 1 << 30) > 32),
     (["--param_offload", "--offload_policy", "embedding,lm_head"], "embeddings and LM head in CPU memory",
      lambda a: not a.param_offload),
 ]
@@ -427,23 +427,23 @@ _TARGET_FLAGS = ("--use_gradient_checkpointing --activation_offload --use_dynami
                  "--logprob_chunk_size 1024 --empty_cache_between_phases").split()
 MEASURED += [
     ("qwen2.5-1.5b", _TARGET_FLAGS + "--optim adamw_4bit --torch_dtype bfloat16 --ref_offload "
-     "--generation_batch_size 64".split(), 13.80),
+     "--generation_slice_size 64".split(), 13.80),
     ("qwen2.5-7b", _TARGET_FLAGS + "--optim adamw_4bit --torch_dtype bfloat16 --ref_offload --param_offload "
      "--offload_policy embedding,lm_head".split(), 39.43),
-    ("qwen2.5-7b", _TARGET_FLAGS + "--use_lora --load_in_4bit --generation_batch_size 32 --param_offload "
+    ("qwen2.5-7b", _TARGET_FLAGS + "--use_lora --load_in_4bit --generation_slice_size 32 --param_offload "
      "--offload_policy embedding".split(), 9.11),
-    ("qwen2.5-7b", _TARGET_FLAGS + "--use_lora --torch_dtype bfloat16 --generation_batch_size 32 --param_offload "
+    ("qwen2.5-7b", _TARGET_FLAGS + "--use_lora --torch_dtype bfloat16 --generation_slice_size 32 --param_offload "
      "--offload_policy embedding,lm_head".split(), 18.28),
 ]
 # measured later the same day, after the `fitted` coefficients were set (held out, not used for fitting)
 HELD_OUT = [
     ("qwen2.5-1.5b", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu 4096 "
      "--logprob_chunk_size 256 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload --empty_cache_between_phases "
-     "--generation_batch_size 64 --param_offload --offload_policy embedding".split(), 9.00),
+     "--generation_slice_size 64 --param_offload --offload_policy embedding".split(), 9.00),
     ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit "
      "--logprob_chunk_size 1024".split(), 16.44),
     ("qwen2.5-1.5b", _TARGET_FLAGS + "--optim adamw_4bit --torch_dtype bfloat16 --ref_offload "
-     "--generation_batch_size 32".split(), 13.76),
+     "--generation_slice_size 32".split(), 13.76),
     ("qwen2.5-1.5b", ["--empty_cache_between_phases"], 58.50),
     ("qwen2.5-1.5b", ["--use_lora"], 37.57),
     ("qwen2.5-1.5b", "--param_offload --offload_policy embedding,lm_head".split(), 55.88),

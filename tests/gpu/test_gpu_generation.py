@@ -170,8 +170,8 @@ def test_dropped_decoder_gives_its_memory_back_on_gpu(backend):
 
 
 @pytest.mark.parametrize("backend", ["static", "cudagraph", "compiled"])
-def test_generation_batch_size_slices_give_each_row_its_own_completion_on_gpu(backend):
-    """--generation_batch_size on a GPU: slices of similar prompt length (each trimmed of the left
+def test_generation_slice_size_slices_give_each_row_its_own_completion_on_gpu(backend):
+    """--generation_slice_size on a GPU: slices of similar prompt length (each trimmed of the left
     padding its rows share, so the captured backends capture a graph per slice shape) give every
     row the greedy-like completion (temperature 1e-4) it gets in one batch, in the rows' order."""
     from utils import toy
