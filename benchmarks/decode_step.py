@@ -34,7 +34,8 @@ def main(argv=None):
 
     from benchmarks.memory import shape_config
     from benchmarks.throughput import measure_ceilings
-    from utils.generation import build_generation_config, generate_completions, static_cache_len
+    from utils.base import static_cache_len
+    from utils.generation import build_generation_config, generate_completions
     from utils.plan import SHAPES, kv_bytes_per_token, load_shape
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,6 +1,8 @@
 """The memory planner (utils/plan.py): parameter counts against real models, the estimate against a
 hand calculation for the tiny model and against the measured H200 runs, the plan's choices, and
 the scripts' --plan / --auto_memory."""
+import os
+
 import pytest
 
 import train_grpo
@@ -98,9 +100,33 @@ def test_apply_flags_and_memory_sizes():
     assert (changed.optim, changed.use_gradient_checkpointing, changed.ref_device, changed.max_token_len_per_gpu) == \
         ("adamw_4bit", True, "offload", 4096)
     assert args.optim == "adamw_torch"  # a copy
-    assert parse_memory("80GiB") == 80 * GIB and parse_memory("48GB") == 48 * 10**9 and parse_memory("16") == 16 * GIB
-    with pytest.raises(ValueError, match="80GiB"):
-        parse_memory("lots")
+
+def test_gpu_memory_takes_cards_as_sold_and_budgets_in_gib():
+    # GiB (or a bare number): the allocator budget itself
+    assert parse_memory("80GiB") == 80 * GIB and parse_memory("16") == 16 * GIB and parse_memory("10.5GiB") == 10.5 * GIB
+    # a card as sold: its usable part (the CUDA context and workspaces take the rest)
+    assert [parse_memory(f"{gb}GB") / GIB for gb in (12, 24, 40, 48, 80)] == [10.5, 21.0, 36.0, 43.0, 73.0]
+    assert parse_memory("100GB") == int((100e9 / GIB - 1.5) * GIB)  # not in the table: its GiB less 1.5
+    for bad in ("lots", "0GB", "-3GiB", "24 TB"):
+        with pytest.raises(ValueError, match="24GB"):
+            parse_memory(bad)
+
+
+def test_the_planner_imports_no_runtime_module():
+    """utils/plan.py reads flags and shapes: importing it loads only utils.base (and utils.cli)."""
+    import subprocess
+    import sys
+
+    code = "import sys, utils.plan; print(sorted(m for m in sys.modules if m.startswith('utils')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    assert set(eval(out.strip().splitlines()[-1])) <= {"utils", "utils.base", "utils.cli", "utils.plan"}, out
+
+
+def test_the_toy_shape_is_the_embedded_model():
+    from utils import toy
+
+    assert load_shape(None) == Shape.from_config(toy.build_model(toy.build_tokenizer()).config)
 
 
 def test_shapes_cover_the_workloads():

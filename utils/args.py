@@ -5,9 +5,8 @@ algorithm's flags and its own defaults for prompts_per_step, learning_rate, outp
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from utils.base import CAPTURED_BACKENDS, parse_memory
 from utils.cli import UsageError
-
-CAPTURED_BACKENDS = ("cudagraph", "compiled")  # --generation_backend values that replay a CUDA graph
 
 
 @dataclass
@@ -185,8 +184,6 @@ def check_memory_args(args, num_processes=1):
         raise UsageError("--memory_snapshot records the CUDA allocator; no CUDA GPU is visible (use --memory_report "
                          "for the per-phase and per-role report)")
     if args.gpu_memory is not None:
-        from utils.plan import parse_memory
-
         try:
             parse_memory(args.gpu_memory)
         except ValueError as e:

@@ -14,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 
 from accelerate.utils import DistributedType
 
-from utils.args import CAPTURED_BACKENDS
+from utils.base import CAPTURED_BACKENDS
 from utils.cli import UsageError
 
 

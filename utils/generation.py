@@ -4,7 +4,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from utils.args import CAPTURED_BACKENDS
+from utils.base import CAPTURED_BACKENDS, static_cache_len
 from utils.memory import fake_oom_check
 from utils.modeling import uncompiled_blocks
 from utils.offload import resident, side_stream
@@ -95,12 +95,6 @@ def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos
         token = step(token, position, cache_positions[t:t + 1], mask)
         position = position + 1
     return torch.stack(tokens, dim=1)
-
-
-def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
-    """The static KV cache's length: prompt + new tokens rounded up to `multiple`, so that prompts of
-    nearby lengths share one cache shape (and one captured graph)."""
-    return -(-(prompt_len + max_new_tokens) // multiple) * multiple
 
 
 PACKED_GQA = "lean_rl_packed_gqa_sdpa"  # the attention implementation's registered name

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from utils.base import own_gpus
 from utils.cli import UsageError
 
 ROLES = ("actor", "critic", "reward", "ref")
@@ -61,15 +62,6 @@ def normalize_device(device) -> torch.device:
     if device.type == "cpu":
         return torch.device("cpu")
     return device
-
-
-def own_gpus(local_rank: int, local_processes: int, num_gpus: int) -> list:
-    """Physical GPU ids that this process owns (see the module docstring)."""
-    if num_gpus == 0:
-        return []
-    if local_processes >= num_gpus:
-        return [local_rank % num_gpus]
-    return list(range(local_rank, num_gpus, local_processes))
 
 
 def _local_topology():

@@ -18,7 +18,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-GIB = 1024**3
+from utils.base import CAPTURED_BACKENDS, GIB, own_gpus, parse_memory, static_cache_len  # noqa: F401 (re-exported)
 
 # the workload shapes (../shared/workloads.md); benchmarks/memory.py builds its models from these
 SHAPES = {
@@ -39,6 +39,12 @@ LAYER_ACT_HIDDEN, LAYER_ACT_INTER = 34, 8
 LOGIT_BYTES, LOGIT_BYTES_NO_GRAD = 14, 10
 RESERVED_SLACK = 0.08
 PREFILL_BYTES = 12
+
+
+# the embedded tiny model of utils/toy.py (Llama: no q/k/v biases); tests/test_plan.py checks it against
+# the model toy.build_model builds
+TOY_SHAPE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
 @dataclass
@@ -89,9 +95,7 @@ def load_shape(model) -> Shape:
     """A workload shape name, anything AutoConfig loads (hub id, local folder; no weights), or
     None: the embedded tiny model."""
     if model is None:
-        from utils import toy
-
-        return Shape.from_config(toy.build_model(toy.build_tokenizer()).config)
+        return Shape.from_config(TOY_SHAPE)
     if model in SHAPES:
         return Shape.from_config(SHAPES[model])
     from transformers import AutoConfig
@@ -115,8 +119,6 @@ def owned_gpus(num_processes) -> int:
     """The GPUs each process owns (utils/placement.py: with several processes, --ref_device cuda:1
     names a process's own second GPU): the last rank's count, the fewest; 1 without GPUs."""
     import torch
-
-    from utils.placement import own_gpus
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return max(1, len(own_gpus(num_processes - 1, num_processes, count)))
@@ -189,9 +191,6 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     comp["reward/weights"] = (0 if not reward_state or args.reward_device in ("cpu", "swap") or reward_elsewhere
                               else max(shape.embedding_params, shape.linear_params // shape.layers) * 2
                               if args.reward_device == "offload" else reward_state)
-    from utils.args import CAPTURED_BACKENDS
-    from utils.generation import static_cache_len
-
     cache_len = T if args.generation_backend == "hf" else static_cache_len(P, C)  # the static cache is rounded up
     comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape)
     comp["generate/copy"] = shape.params * 2 if args.generation_copy else 0  # --generation_copy: bf16 weights
@@ -399,17 +398,6 @@ def report(shape, est, gpu_bytes=None) -> str:
     lines += [f"{device}: peak reserved (estimated) {used / GIB:.2f} GiB (roles placed there)"
               for device, used in est["other_gpus"].items()]
     return "\n".join(lines)
-
-
-def parse_memory(text: str) -> int:
-    """`80GiB`, `48GB`, `141` (GiB) -> bytes."""
-    import re
-
-    match = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|G)?\s*", text, flags=re.I)
-    if not match:
-        raise ValueError(f"--gpu_memory {text!r}: expected a size such as 80GiB or 48GB")
-    value, unit = float(match.group(1)), (match.group(2) or "GiB").lower()
-    return int(value * (1e9 if unit == "gb" else GIB))
 
 
 # measured on one H200, 2026-11-30, W-GRPO (benchmarks/memory.py): (shape, flags, peak reserved GiB)

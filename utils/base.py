@@ -1,0 +1,61 @@
+"""Names and arithmetic that the runtime modules and the planner (utils/plan.py) both need: the
+generation backends, the static KV cache's length, GPU memory sizes and card budgets, which GPUs a
+process owns. It imports nothing of this project, so the planner can read flags and shapes without
+loading any runtime code."""
+
+import re
+
+GIB = 1024**3
+
+GENERATION_BACKENDS = ("auto", "hf", "static", "cudagraph", "compiled")  # --generation_backend's choices
+CAPTURED_BACKENDS = ("cudagraph", "compiled")  # --generation_backend values that replay a CUDA graph
+
+
+def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
+    """The static KV cache's length: prompt + new tokens rounded up to `multiple`, so that prompts of
+    nearby lengths share one cache shape (and one captured graph)."""
+    return -(-(prompt_len + max_new_tokens) // multiple) * multiple
+
+
+# Cards as sold (GB = 1e9 bytes) -> what one process's caching allocator can use on them (GiB): the
+# card's memory less the CUDA context, cuBLAS workspaces and graphs (0.7-1.5 GiB, measured on H200s
+# and read off these cards' totals). `--gpu_memory 24GB` plans for, and caps the allocator at, 21 GiB.
+CARD_BUDGETS_GIB = {12: 10.5, 16: 14.0, 24: 21.0, 32: 28.5, 40: 36.0, 48: 43.0, 80: 73.0, 94: 86.0, 141: 131.0}
+CARD_OVERHEAD_GIB = 1.5  # a card size not in the table: its GiB less this
+
+
+def parse_memory(text: str) -> int:
+    """An allocator budget in bytes from `--gpu_memory`: a card size as sold (`24GB`: a 24 GB card, of
+    which the allocator gets CARD_BUDGETS_GIB[24] = 21 GiB), or the budget itself in GiB (`21GiB`, or a
+    bare `21`). Raises ValueError with the flag's message."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G)?\s*", str(text), flags=re.I)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"--gpu_memory {text!r}: expected a card size as sold such as 24GB or 80GB, or an allocator "
+                         "budget such as 21GiB")
+    value, unit = float(match.group(1)), (match.group(2) or "GiB").lower()
+    if unit == "gb":
+        usable = CARD_BUDGETS_GIB.get(value if value != int(value) else int(value))
+        if usable is None:
+            usable = value * 1e9 / GIB - CARD_OVERHEAD_GIB
+            if usable <= 0:
+                raise ValueError(f"--gpu_memory {text!r}: a card this small leaves nothing after the CUDA context "
+                                 f"(~{CARD_OVERHEAD_GIB} GiB)")
+        return int(usable * GIB)
+    return int(value * GIB)
+
+
+def describe_memory(text: str) -> str:
+    """`24GB` -> '21.0 GiB (a 24 GB card)'; `21GiB` -> '21.0 GiB'."""
+    budget = parse_memory(text) / GIB
+    return f"{budget:.1f} GiB" + (f" (a {text.strip()[:-2].strip()} GB card)" if text.strip().lower().endswith("gb")
+                                  else "")
+
+
+def own_gpus(local_rank: int, local_processes: int, num_gpus: int) -> list:
+    """Physical GPU ids that a process owns (utils/placement.py's docstring): with at least as many
+    processes as GPUs, GPU rank % count; else every local_processes-th GPU from its rank."""
+    if num_gpus == 0:
+        return []
+    if local_processes >= num_gpus:
+        return [local_rank % num_gpus]
+    return list(range(local_rank, num_gpus, local_processes))
