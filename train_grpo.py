@@ -177,14 +177,15 @@ def main(argv=None):
 
     from utils import data as data_utils
     from utils import rewards as reward_utils
+    from utils.base import resolve_generation_backend
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args
     from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
-                              host_peak_rss_gib)
+    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, apply_memory_cap,
+                              gpu_peaks_line, host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 compile_repeated_blocks, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
                                 lora_kwargs, quantization_of, resolve_mixed_precision)
@@ -209,7 +210,7 @@ def main(argv=None):
         engine = engine_of(accelerator)  # single, ddp, zero2, zero3, fsdp2: from the accelerate config
         check_engine_args(args, engine)
         if args.plan or args.auto_memory:  # utils/plan.py: estimate memory, print the plan (--plan exits)
-            extra = run_planner(args, "grpo", num_processes, accelerator.device, is_main)
+            extra = run_planner(args, "grpo", num_processes, accelerator.device, is_main, explicit, engine)
             args, explicit = parse_args(Args, list(sys.argv[1:] if argv is None else argv) + extra)
             apply_presets(args, explicit, TOY_PRESET, DEBUG_PRESET)
             local_completions = check_args(args, num_processes, explicit)
@@ -225,6 +226,12 @@ def main(argv=None):
         resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     except UsageError as e:
         fail(str(e))
+    # --gpu_memory: the allocator of every GPU this process uses held to that budget (a smaller card's)
+    gpus_used = [accelerator.device] + [p.device for p in placements.values()] + [
+        f"cuda:{g}" for p in placements.values() for g in p.gpus]
+    for line in apply_memory_cap(args.gpu_memory, gpus_used):
+        if is_main:
+            print(line, flush=True)
     if args.debug and num_processes > 1:
         warnings.warn("--debug is meant for a single process")
     if args.max_steps < 0:
@@ -254,6 +261,10 @@ def main(argv=None):
         compile_repeated_blocks(model)
     if args.param_offload:
         ParamOffload(model, args.offload_policy, home)
+    # --generation_backend auto: the compiled, captured decoding step where the weights stay put on a GPU
+    args.generation_backend, backend_reason = resolve_generation_backend(
+        args.generation_backend, home.type, placements["actor"].kind, engine, args.param_offload, args.generation_copy,
+        sum(p.numel() for p in model.parameters()))
     table = [("actor", placements["actor"], True)]
     ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the policy, adapter off
     if args.beta > 0 and args.use_lora:
@@ -312,6 +323,8 @@ def main(argv=None):
               f"{', LoRA r=%d' % args.lora_r if args.use_lora else ''}{', base in ' + quantized if quantized else ''}"
               f"{', ' + unwrapped.lean_rl_param_offload.describe() if args.param_offload else ''}), optim {args.optim}, "
               f"rewards: {', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
+        print(f"generation: --generation_backend {args.generation_backend}"
+              + (f" (auto: {backend_reason})" if backend_reason else ""))
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
               f"{args.prompts_per_step} prompts x {G} generations per step; per process {local_completions} "
               f"completions in " + (f"micro-batches of <= {args.max_token_len_per_gpu} tokens" if args.use_dynamic_bsz

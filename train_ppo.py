@@ -220,14 +220,15 @@ def main(argv=None):
 
     from utils import data as data_utils
     from utils import rewards as reward_utils
+    from utils.base import resolve_generation_backend
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args
     from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, gpu_peaks_line,
-                              host_peak_rss_gib)
+    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, apply_memory_cap,
+                              gpu_peaks_line, host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, compile_repeated_blocks, eos_token_ids, frozen_dtype,
                                 load_causal_lm, load_tokenizer, load_value_model, lora_kwargs, quantization_of,
@@ -254,7 +255,7 @@ def main(argv=None):
         engine = engine_of(accelerator)  # single, ddp, zero2, zero3, fsdp2: from the accelerate config
         check_engine_args(args, engine, trained_roles=("actor", "critic"))
         if args.plan or args.auto_memory:  # utils/plan.py: estimate memory, print the plan (--plan exits)
-            extra = run_planner(args, "ppo", num_processes, accelerator.device, is_main)
+            extra = run_planner(args, "ppo", num_processes, accelerator.device, is_main, explicit, engine)
             args, explicit = parse_args(Args, list(sys.argv[1:] if argv is None else argv) + extra)
             apply_presets(args, explicit, TOY_PRESET, DEBUG_PRESET)
             local_size, mini_size = check_args(args, num_processes, explicit)
@@ -274,6 +275,12 @@ def main(argv=None):
                               args.trust_remote_code)
     except UsageError as e:
         fail(str(e))
+    # --gpu_memory: the allocator of every GPU this process uses held to that budget (a smaller card's)
+    gpus_used = [accelerator.device] + [p.device for p in placements.values()] + [
+        f"cuda:{g}" for p in placements.values() for g in p.gpus]
+    for line in apply_memory_cap(args.gpu_memory, gpus_used):
+        if is_main:
+            print(line, flush=True)
     if args.debug and num_processes > 1:
         warnings.warn("--debug is meant for a single process")
     if args.max_steps < 0:
@@ -308,6 +315,10 @@ def main(argv=None):
     if args.param_offload:
         ParamOffload(actor, args.offload_policy, placements["actor"].device)
         ParamOffload(critic, args.offload_policy, placements["critic"].device, strict=False)
+    # --generation_backend auto: the compiled, captured decoding step where the weights stay put on a GPU
+    args.generation_backend, backend_reason = resolve_generation_backend(
+        args.generation_backend, placements["actor"].device.type, placements["actor"].kind, engine, args.param_offload,
+        args.generation_copy, sum(p.numel() for p in actor.parameters()))
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
     use_ref = args.kl_coef > 0 or args.target_kl is not None
@@ -374,6 +385,8 @@ def main(argv=None):
               f"{', LoRA r=%d' % args.lora_r if args.use_lora else ''}), critic "
               f"{args.critic_model_name_or_path or 'actor weights + value head'}, rewards: "
               f"{', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
+        print(f"generation: --generation_backend {args.generation_backend}"
+              + (f" (auto: {backend_reason})" if backend_reason else ""))
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
               f"{args.prompts_per_step} prompts per step; per process {local_size} completions, "
               f"{args.ppo_epochs} epochs x {args.num_mini_batches} mini-batches of {mini_size} in micro-batches of "

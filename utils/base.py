@@ -59,3 +59,28 @@ def own_gpus(local_rank: int, local_processes: int, num_gpus: int) -> list:
     if local_processes >= num_gpus:
         return [local_rank % num_gpus]
     return list(range(local_rank, num_gpus, local_processes))
+
+
+COMPILE_MIN_PARAMS = 100_000_000  # --generation_backend auto compiles the decoding step from this size up
+
+
+def resolve_generation_backend(requested, device_type, actor_kind="device", engine="single", param_offload=False,
+                               generation_copy=False, num_params=None):
+    """--generation_backend auto -> (backend, why): the captured decoding step wherever the policy's
+    weights stay at fixed addresses on one CUDA device (compiled from COMPILE_MIN_PARAMS parameters up,
+    since compiling takes about a minute; cudagraph, the same step uncompiled, below), `static` on a GPU
+    where they move, `hf` (transformers' generate) elsewhere. Any other value is returned as is."""
+    if requested != "auto":
+        return requested, None
+    if device_type != "cuda":
+        return "hf", f"the policy is on {device_type}, not a CUDA GPU (captured steps need CUDA graphs)"
+    if engine in ("zero3", "fsdp2"):
+        return "hf", f"under {engine} the policy's weights are gathered anew for each rollout"
+    if actor_kind == "balanced":
+        return "static", "the policy's layers live on several GPUs (a captured step reads fixed addresses)"
+    if param_offload and not generation_copy:
+        return "static", "--param_offload copies weights to the GPU anew at each use (add --generation_copy to capture)"
+    if num_params is not None and num_params < COMPILE_MIN_PARAMS:
+        return "cudagraph", (f"the policy's weights stay on the GPU; {num_params / 1e6:.0f}M parameters is too small "
+                             "for compiling the step (about a minute) to pay off")
+    return "compiled", "the policy's weights stay on the GPU: its decoding step compiled and captured"

@@ -84,6 +84,47 @@ def gpu_peaks_line(timer=None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# --gpu_memory: the allocator held to a card's budget
+
+
+def apply_memory_cap(gpu_memory, devices) -> list:
+    """--gpu_memory on a GPU: cap this process's caching allocator on each CUDA device it uses at the
+    budget (utils.base.parse_memory: `24GB` is a 24 GB card's usable 21 GiB), with
+    torch.cuda.set_per_process_memory_fraction, so a run planned for a smaller card runs inside it (an
+    H200 stands in for a 24 GB card). Returns the lines to print at start (nothing without a cap or a GPU)."""
+    from utils.base import describe_memory, parse_memory
+
+    if not gpu_memory or not torch.cuda.is_available():
+        return []
+    budget = parse_memory(gpu_memory)
+    lines = []
+    for device in sorted({torch.device(d) for d in devices if torch.device(d).type == "cuda"}, key=str):
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        total = torch.cuda.get_device_properties(device).total_memory
+        if budget >= total:
+            lines.append(f"GPU memory: --gpu_memory {gpu_memory} ({describe_memory(gpu_memory)}) is at least {device}'s "
+                         f"{total / GIB:.1f} GiB: not capped")
+            continue
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+        _CAPS[device.index] = budget
+        lines.append(f"GPU memory cap: {budget / GIB:.1f} GiB of {device}'s {total / GIB:.1f} GiB for this process's "
+                     f"allocator (--gpu_memory {gpu_memory})")
+    return lines
+
+
+def memory_cap_of(device):
+    """The cap apply_memory_cap set on `device` in bytes, or None (no cap, or no GPU)."""
+    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        return None
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _CAPS.get(index)
+
+
+_CAPS = {}  # device index -> capped bytes
+
+
+# ----------------------------------------------------------------------------------------------
 # Per-role memory: where each trained or frozen model's bytes live (--log_memory_every,
 # --memory_report, --memory_snapshot)
 
@@ -313,6 +354,11 @@ class OOMReport:
             lines.append(f"{device}: {torch.cuda.memory_allocated(device) / GIB:.2f} GiB allocated, "
                          f"{torch.cuda.memory_reserved(device) / GIB:.2f} GiB reserved, {free / GIB:.2f} of "
                          f"{total / GIB:.2f} GiB free")
+            cap = memory_cap_of(device)
+            if cap is not None:
+                lines.append(f"The limit was the cap, not the GPU: --gpu_memory {self.args.gpu_memory} holds this "
+                             f"process's allocator to {cap / GIB:.1f} GiB of the {total / GIB:.1f} GiB the GPU has "
+                             f"({torch.cuda.memory_reserved(device) / GIB:.2f} GiB reserved when it ran out).")
             lines += biggest_allocations(device)
         lines.append("where the memory is, per role:\n" + self.tracker.table())
         lines.append("what would save the most (the planner's estimate, each alone; python -m utils.plan "

@@ -18,7 +18,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from utils.base import CAPTURED_BACKENDS, GIB, own_gpus, parse_memory, static_cache_len  # noqa: F401 (re-exported)
+from utils.base import (CAPTURED_BACKENDS, GIB, own_gpus, parse_memory, resolve_generation_backend,  # noqa: F401
+                        static_cache_len)
 
 # the workload shapes (../shared/workloads.md); benchmarks/memory.py builds its models from these
 SHAPES = {
@@ -98,9 +99,18 @@ def load_shape(model) -> Shape:
         return Shape.from_config(TOY_SHAPE)
     if model in SHAPES:
         return Shape.from_config(SHAPES[model])
+    import os
+
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model)
+    if os.path.sep in model and not os.path.isdir(model):
+        raise ValueError(f"model {model!r}: no such folder; expected a workload shape ({', '.join(SHAPES)}), a local "
+                         "folder with a config.json or a hub id")
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except Exception as e:  # transformers' chained errors: one line for the user
+        raise ValueError(f"model {model!r}: not a workload shape ({', '.join(SHAPES)}) and its config could not be "
+                         f"loaded ({str(e).splitlines()[0][:160]})") from None
     return Shape.from_config(getattr(config, "text_config", config))
 
 
@@ -129,6 +139,13 @@ def kv_bytes_per_token(shape) -> int:
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
 
 
+def planned_backend(shape, args, engine="single") -> str:
+    """The --generation_backend a run of these flags on a GPU uses (`auto` resolved as the scripts do)."""
+    kind = "balanced" if args.actor_device == "balanced" else "device"
+    return resolve_generation_backend(args.generation_backend, "cuda", kind, engine, args.param_offload,
+                                      args.generation_copy, shape.params)[0]
+
+
 def _other_gpu(device) -> bool:
     """A role placed on a GPU other than the process's first (cuda:0 in the planner's terms)."""
     return bool(device) and device.startswith("cuda:") and device != "cuda:0"
@@ -145,6 +162,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     else:
         rows = args.prompts_per_step // num_processes
     gen_rows = min(args.generation_slice_size or rows, rows)
+    backend = planned_backend(shape, args)
     mixed = args.mixed_precision != "no"  # auto is bf16 on a GPU
     train_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
     quant = 0.52 if args.load_in_4bit else 1.02 if args.load_in_8bit else None  # bytes per quantised weight
@@ -191,13 +209,13 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     comp["reward/weights"] = (0 if not reward_state or args.reward_device in ("cpu", "swap") or reward_elsewhere
                               else max(shape.embedding_params, shape.linear_params // shape.layers) * 2
                               if args.reward_device == "offload" else reward_state)
-    cache_len = T if args.generation_backend == "hf" else static_cache_len(P, C)  # the static cache is rounded up
+    cache_len = T if backend == "hf" else static_cache_len(P, C)  # the static cache is rounded up
     comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape)
     comp["generate/copy"] = shape.params * 2 if args.generation_copy else 0  # --generation_copy: bf16 weights
     # what a rollout leaves allocated for the next one (a captured decoder's KV cache, the copy), unless
     # --empty_cache_between_phases drops them
     kept = 0 if args.empty_cache_between_phases else comp["generate/copy"] + (
-        comp["generate/kv_cache"] if args.generation_backend in CAPTURED_BACKENDS else 0)
+        comp["generate/kv_cache"] if backend in CAPTURED_BACKENDS else 0)
     comp["generate/prefill"] = gen_rows * P * shape.hidden * PREFILL_BYTES + gen_rows * shape.vocab * 8
     # micro-batch of the update and the no-grad passes
     if args.use_dynamic_bsz:
@@ -257,6 +275,207 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
                 tokens_per_micro_batch=tokens, rows=rows)
 
 
+# ----------------------------------------------------------------------------------------------
+# Time: seconds per phase of one step, from the bytes and FLOPs each phase moves, over a GPU's
+# measured rates, with efficiencies fitted to the H200 runs in MEASURED_TIME (held-out runs in
+# HELD_OUT_TIME were not used; `--measured` prints both)
+
+# GPU rates: bandwidth (B/s, a device-to-device copy), dense bf16 matmul (FLOP/s) and the host link
+# (B/s, pinned host-to-device). The H200's are measured here; the others are their datasheets' rates
+# scaled by the H200's measured/datasheet ratio (0.89 bandwidth, 0.80 matmul): estimates, not measurements.
+GPUS = {
+    "h200": dict(name="NVIDIA H200", bandwidth=4.26e12, matmul=7.9e14, host=5.0e10),
+    "h100": dict(name="NVIDIA H100 80GB HBM3", bandwidth=2.98e12, matmul=7.9e14, host=5.0e10),
+    "a100-80gb": dict(name="NVIDIA A100-SXM4-80GB", bandwidth=1.82e12, matmul=2.5e14, host=2.5e10),
+    "a100-40gb": dict(name="NVIDIA A100-SXM4-40GB", bandwidth=1.38e12, matmul=2.5e14, host=2.5e10),
+    "l40s": dict(name="NVIDIA L40S", bandwidth=7.7e11, matmul=2.9e14, host=2.5e10),
+    "a6000": dict(name="NVIDIA RTX A6000", bandwidth=6.8e11, matmul=1.24e14, host=2.5e10),
+    "rtx4090": dict(name="NVIDIA GeForce RTX 4090", bandwidth=9.0e11, matmul=1.32e14, host=2.5e10),
+}
+
+# fitted (MEASURED_TIME): matmuls run at MATMUL_EFF of the matmul rate; the rest of a layer's work
+# (norms, RoPE, attention, activations, residuals) moves ELEMENTWISE_BYTES x (34 hidden + 8
+# intermediate) bytes per token and layer, at the bandwidth (x UPDATE_ELEMENTWISE in an update's
+# forward, recompute and backward); --torch_compile's fused kernels move COMPILED_* of that
+MATMUL_EFF = 0.95  # held, not fitted (large bf16 GEMMs): the elementwise term takes the rest
+ELEMENTWISE_BYTES = 2.9
+UPDATE_ELEMENTWISE = 5.7
+COMPILED_FORWARD, COMPILED_UPDATE = 0.17, 0.49
+# decoding: one step reads the weights and every row's KV cache at DECODE_EFF of the bandwidth, plus a
+# fixed time per layer (kernel launches and sampling: none captured in a graph, fused when compiled)
+DECODE_EFF = 0.81
+DECODE_LAYER_S = {"compiled": 0.092e-3, "cudagraph": 0.174e-3, "static": 0.45e-3, "hf": 0.91e-3}  # cudagraph: compiled
+# + the difference benchmarks/decode_step.py measured at 1.5b (6.10 - 3.80 ms over 28 layers); static: not measured
+# bitsandbytes 4-bit: dequantising costs DEQUANT_S per weight at every matmul call (decode step,
+# micro-batch pass); int8 is not measured (assumed twice that)
+DEQUANT_S = {4: 2.7e-12, 8: 5.4e-12}
+# LoRA through the unmerged adapter: per adapted Linear and call, eager (training passes, hf decoding)
+# or inside a captured step
+ADAPTER_EAGER_S, ADAPTER_CAPTURED_S = 200e-6, 15e-6  # captured: assumed (no run of it alone)
+# transfers: --ref_device swap at the host link; --ref_device offload streams every micro-batch at
+# OFFLOAD_STREAM of the link plus a per-phase setup at OFFLOAD_SETUP; --param_offload copies its
+# modules 3 times per micro-batch (forward, recompute, gradient back) at PARAM_OFFLOAD of the link
+OFFLOAD_STREAM, OFFLOAD_SETUP, PARAM_OFFLOAD = 0.15, 0.0124, 0.0436
+# small micro-batches: a matmul over `t` tokens runs at t / (t + MB_TOKENS) of the rate (assumed), and
+# every micro-batch pass costs MB_LAYER_S per layer (launches, autograd; fitted)
+MB_TOKENS = 1024
+MB_LAYER_S = 0.27e-3
+ADAMW_4BIT_S = 0.44e-9  # per parameter: torchao's 4-bit step (its quantise/dequantise kernels)
+EMPTY_CACHE_S = 0.012  # per micro-batch pass with --empty_cache_between_phases (allocator churn; assumed)
+RECAPTURE_S = 0.15  # a captured decoder dropped and captured again at each rollout (--empty_cache_between_phases; assumed)
+REWARD_FUNC_S = 0.3e-3  # per completion: decode the text and run a rule reward (assumed)
+
+
+def gpu_of(name=None) -> dict:
+    """A GPUS entry: by key (`h200`), by the CUDA device name (`NVIDIA H200`), or the H200 when unknown."""
+    if name is None:
+        return GPUS["h200"]
+    key = name.lower()
+    if key in GPUS:
+        return GPUS[key]
+    for gpu in GPUS.values():
+        if gpu["name"].lower() == key:
+            return gpu
+    for short, gpu in GPUS.items():
+        if short.split("-")[0].replace("rtx", "") in key.replace(" ", "").replace("-", ""):
+            return gpu
+    return GPUS["h200"]
+
+
+def _quant_bits(args):
+    return 4 if args.load_in_4bit else 8 if args.load_in_8bit else None
+
+
+def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, engine="single") -> dict:
+    """Seconds per phase of one step after the first (compiles and captures are the first step's), for
+    one process on `gpu` (a GPUS entry). Returns {"phases": {phase: s}, "step": s, "unmeasured": [what
+    the estimate assumes without a measurement behind it]}."""
+    gpu = gpu or GPUS["h200"]
+    bw, mm, host = gpu["bandwidth"], gpu["matmul"] * MATMUL_EFF, gpu["host"]
+    P, C = args.max_prompt_length, args.max_completion_length
+    T = P + C
+    rows = args.prompts_per_step // num_processes * (args.num_generations if algo == "grpo" else 1)
+    tokens = rows * T
+    if args.use_dynamic_bsz:
+        mb_rows = max(min(args.max_token_len_per_gpu // T, rows), 1)
+    else:
+        mb_rows = min(args.per_device_train_batch_size, rows)
+    n_mb = -(-rows // mb_rows)
+    backend = planned_backend(shape, args, engine)
+    bits = _quant_bits(args)
+    lora, compiled = args.use_lora, args.torch_compile and engine not in ("zero3", "fsdp2")
+    head = shape.vocab * shape.hidden
+    matmul_params = shape.linear_params + head  # decoder Linears and the LM head
+    elementwise = tokens * shape.layers * (34 * shape.hidden + 8 * shape.inter) * ELEMENTWISE_BYTES / bw
+    adapters = 7 * shape.layers if lora else 0  # all-linear: q, k, v, o, gate, up, down
+    unmeasured = []
+    trained_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
+    fp32_autocast = trained_bytes == 4 and args.mixed_precision != "no" and not (lora and bits)
+
+    mm_mb = mm * mb_rows * T / (mb_rows * T + MB_TOKENS)  # the matmul rate at a micro-batch's size
+
+    def forward(params, quantized, with_adapters=False):
+        """A no-grad forward over every row (ref, old_logprobs, values, reward)."""
+        t = 2 * params * tokens / mm_mb + elementwise * (COMPILED_FORWARD if compiled else 1)
+        t += n_mb * shape.layers * MB_LAYER_S
+        if quantized:
+            t += n_mb * shape.linear_params * DEQUANT_S[quantized]
+        if with_adapters:
+            t += n_mb * adapters * ADAPTER_EAGER_S
+        return t
+
+    def update(params, quantized, with_lm_head):
+        """Forward, (recompute,) backward over every row, the optimizer step."""
+        passes = 3 if args.use_gradient_checkpointing else 2  # forward (+ recompute) + backward
+        # FLOPs per token and parameter: forward 2, recompute 2, backward 4 (activations and weights; LoRA: 2,
+        # no weight gradients of the base)
+        flops_per_token = 2 * (passes - 1) + (2 if lora else 4)
+        t = flops_per_token * params * tokens / mm_mb + passes * n_mb * shape.layers * MB_LAYER_S
+        t += elementwise * UPDATE_ELEMENTWISE * (passes / 3) * (COMPILED_UPDATE if compiled else 1)
+        if with_lm_head and args.logprob_chunk_size:
+            t += 2 * head * tokens / mm  # the chunked LM head recomputed in backward
+        if quantized:
+            t += passes * n_mb * shape.linear_params * DEQUANT_S[quantized]
+        if lora:
+            t += passes * n_mb * adapters * ADAPTER_EAGER_S
+        if fp32_autocast and not lora:  # bf16 casts of the fp32 weights in every pass, fp32 gradients accumulated
+            t += n_mb * params * (6 * passes + 12) / bw
+        trained = shape.lora_params(args.lora_r) if lora else params
+        t += trained * (16 if trained_bytes == 4 else 10) * 2 / bw  # the optimizer reads and writes its state
+        if args.optim == "adamw_4bit":
+            t += trained * ADAMW_4BIT_S
+        if args.param_offload:
+            policy = {p.strip() for p in args.offload_policy.split(",")}
+            moved = shape.embedding_params * (("embedding" in policy) + ("lm_head" in policy and not shape.tied))
+            t += 3 * n_mb * moved * trained_bytes / (host * PARAM_OFFLOAD)
+        if args.empty_cache_between_phases:
+            t += passes * n_mb * EMPTY_CACHE_S
+        return t
+
+    phases = {}
+    # generate: a prefill of the prompts, then one decoding step per new token, per slice
+    slice_rows = min(args.generation_slice_size or rows, rows)
+    slices = -(-rows // slice_rows)
+    if args.generation_copy:
+        weight_bytes, dequant, adapter_s = shape.params * 2, 0.0, 0.0
+    else:
+        if lora and bits:
+            weight_bytes = shape.linear_params * bits / 8 + (shape.params - shape.linear_params) * 2
+        else:
+            weight_bytes = shape.params * (8 if fp32_autocast else trained_bytes)  # fp32: read, cast, read again
+        dequant = shape.linear_params * DEQUANT_S[bits] if (lora and bits) else 0.0
+        adapter_s = adapters * (ADAPTER_CAPTURED_S if backend in CAPTURED_BACKENDS else ADAPTER_EAGER_S)
+        if lora and backend in CAPTURED_BACKENDS:
+            unmeasured.append("LoRA adapters inside a captured decoding step (15 us each assumed)")
+    kv = slice_rows * (P + C / 2) * kv_bytes_per_token(shape)
+    decode_step = shape.layers * DECODE_LAYER_S[backend] + (weight_bytes + kv) / (bw * DECODE_EFF) + dequant + adapter_s
+    if backend == "static":
+        unmeasured.append("--generation_backend static's step on a GPU (0.45 ms per layer assumed)")
+    prefill = 2 * matmul_params * rows * P / mm
+    generate = slices * C * decode_step + prefill
+    if args.generation_copy:
+        generate += shape.params * 6 / bw + (shape.linear_params * DEQUANT_S[bits] if bits else 0)
+    if args.param_offload and not args.generation_copy:
+        generate += shape.embedding_params * trained_bytes * 2 / (host * PARAM_OFFLOAD)
+    if args.empty_cache_between_phases and backend in CAPTURED_BACKENDS:
+        generate += RECAPTURE_S * slices
+    phases["generate"] = generate
+
+    uses_ref = (args.beta > 0) if algo == "grpo" else (args.kl_coef > 0 or args.target_kl is not None)
+    if uses_ref:
+        ref_bits = bits  # the reference loads quantised with --load_in_4bit/8bit; with LoRA it is the base
+        t = forward(matmul_params, ref_bits)
+        ref_bytes = _frozen_bytes(shape, shape.params, 0.52 if bits == 4 else 1.02 if bits == 8 else None)
+        if not lora and args.ref_device == "swap":
+            t += ref_bytes / host
+        elif not lora and args.ref_device == "offload":
+            t += n_mb * ref_bytes / (host * OFFLOAD_STREAM) + ref_bytes / (host * OFFLOAD_SETUP)
+        elif not lora and args.ref_device == "cpu":
+            t = 2 * matmul_params * tokens / 1e12  # a CPU forward: ~1 TFLOP/s (not measured)
+            unmeasured.append("the reference on the CPU (~1 TFLOP/s assumed)")
+        phases["ref"] = t
+    reward = rows * REWARD_FUNC_S
+    if args.reward_model_name_or_path:
+        reward += forward(shape.linear_params, bits)
+        body = _frozen_bytes(shape, shape.params - (0 if shape.tied else shape.embedding_params),
+                             0.52 if bits == 4 else 1.02 if bits == 8 else None)
+        if args.reward_device == "swap":
+            reward += body / host
+        elif args.reward_device == "offload":
+            reward += n_mb * body / (host * OFFLOAD_STREAM) + body / (host * OFFLOAD_SETUP)
+    phases["reward"] = reward
+    epochs = args.num_iterations if algo == "grpo" else args.ppo_epochs
+    if algo == "ppo":
+        phases["values"] = forward(shape.linear_params, bits if lora else None, with_adapters=lora)
+        phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+    elif args.num_iterations > 1:
+        phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+    phases["actor_update"] = epochs * update(matmul_params, bits if lora else None, True)
+    if algo == "ppo":
+        phases["critic_update"] = epochs * update(shape.linear_params, bits if lora else None, False)
+    return dict(phases=phases, step=sum(phases.values()), unmeasured=unmeasured, backend=backend)
+
+
 # levers the planner may add, cheapest first: (flags, why, applies?) -- LoRA changes the method, so
 # it is only suggested, never applied
 LEVERS = [
@@ -282,14 +501,146 @@ LEVERS = [
 ]
 
 
-def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_process=1):
-    """Placement, then levers: with more than one GPU per process, the frozen reference (and the
-    PPO critic) go to GPUs of their own first, as they cost no time and change no math; then levers
-    are added (cheapest first, in passes until none helps) until the estimated peak reserved fits in
-    90% of gpu_bytes; a later choice of the same flag (--optim) replaces the earlier.
-    `parse(extra flags) -> args`. Returns (flags added, lines of reasoning, final estimate)."""
-    headroom = 0.9 * gpu_bytes
-    chosen, reasons = {}, []  # first flag -> the flags that set it
+FIT_FRACTION = 0.95  # a configuration fits when its estimated peak reserved is within this share of the budget
+NUMERICS_SLACK = 1.25  # the numerics are changed only where keeping them costs more than this factor in step time
+
+# What --auto_memory may change of the numerics, in this order and only when the flags' own numerics fit
+# nowhere (the README's lever table says how each changes them): (flags, what it changes)
+NUMERICS = [
+    ({}, None),
+    ({"optim": "adamw_8bit"}, "8-bit optimizer moments"),
+    ({"torch_dtype": "bfloat16", "optim": "adamw_8bit"}, "bf16 weights (stochastic-rounding steps), 8-bit moments"),
+    ({"torch_dtype": "bfloat16", "optim": "adamw_4bit"}, "bf16 weights (stochastic-rounding steps), 4-bit moments"),
+]
+
+
+def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
+    """The same-math speed and memory flags --auto_memory may set, each axis only where the user did
+    not set that flag: [(name, [values])], the first value of each being what a run without it does."""
+    rows = args.prompts_per_step // num_processes * (args.num_generations if algo == "grpo" else 1)
+    per_update = rows if algo == "grpo" else rows // args.num_mini_batches  # what a micro-batch must divide
+    axes = []
+
+    def axis(name, values):
+        if name not in explicit and len(values) > 1:
+            axes.append((name, values))
+
+    axis("use_gradient_checkpointing", [False, True])
+    axis("activation_offload", [False, True])
+    axis("logprob_chunk_size", [0, 1024, 256])
+    if not args.use_dynamic_bsz:
+        axis("per_device_train_batch_size", [b for b in (8, 16, 32, 4, 2, 1) if per_update % b == 0] or [
+            args.per_device_train_batch_size])
+    separate_ref = not args.use_lora and ((args.beta > 0) if algo == "grpo" else (args.kl_coef > 0 or
+                                                                                 args.target_kl is not None))
+    if separate_ref and args.ref_device in (None, "cuda", "cuda:0"):
+        axis("ref_device", [args.ref_device, "swap", "offload"])
+    if args.reward_model_name_or_path and args.reward_device in (None, "cuda", "cuda:0"):
+        axis("reward_device", [args.reward_device, "swap"])
+    if engine in ("zero3", "fsdp2"):
+        axis("generation_backend", ["hf"])
+    else:  # static is left out: its speed on a GPU is not measured (hf's is, where weights move)
+        axis("generation_backend", ["compiled", "hf"])
+        if args.use_lora or args.load_in_4bit or args.load_in_8bit or args.torch_dtype == "float32":
+            axis("generation_copy", [False, True])  # bf16 full-parameter weights: the copy would be the same bytes
+    axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
+    axis("empty_cache_between_phases", [False, True])
+    if num_processes == 1 and not args.use_lora:
+        axis("param_offload", [False, True])
+    return axes
+
+
+def _valid(a):
+    """The scripts' own checks of lever combinations (utils/args.py check_memory_args)."""
+    if a.activation_offload and not a.use_gradient_checkpointing:
+        return False
+    if a.generation_backend in CAPTURED_BACKENDS and a.param_offload and not a.generation_copy:
+        return False
+    return True
+
+
+def search(shape, args, algo, gpu_bytes, explicit=frozenset(), num_processes=1, gpu=None, engine="single"):
+    """Every combination of the search space at each numerics level (NUMERICS, the flags' own first) whose
+    estimated peak reserved fits FIT_FRACTION of gpu_bytes, timed by estimate_time; the fastest of the
+    lowest level whose fastest is within NUMERICS_SLACK of the fastest of all (the numerics change only
+    where keeping them would cost more). Returns dict(flags, args, memory, time, level, numerics,
+    considered, fitting, smallest), `smallest` being the least-memory configuration seen; flags is None
+    when nothing fits."""
+    import copy
+    import itertools
+
+    budget = FIT_FRACTION * gpu_bytes
+    smallest, considered, fitting, best_per_level = None, 0, 0, []
+    compile_ok = ("torch_compile" not in explicit and engine not in ("zero3", "fsdp2") and not args.use_lora
+                  and not (args.load_in_4bit or args.load_in_8bit))
+    for level, (numerics, what) in enumerate(NUMERICS):
+        if any(name in explicit for name in numerics) or (level and all(getattr(args, n) == v
+                                                                        for n, v in numerics.items())):
+            continue  # the user chose this part of the numerics, or the level changes nothing here
+        base = copy.copy(args)
+        for name, value in dict(numerics, **({"torch_compile": True} if compile_ok else {})).items():
+            setattr(base, name, value)
+        axes = search_space(shape, base, algo, explicit, num_processes, engine)
+        best = None
+        for values in itertools.product(*(vals for _, vals in axes)):
+            trial = copy.copy(base)
+            for (name, _), value in zip(axes, values):
+                setattr(trial, name, value)
+            if not _valid(trial):
+                continue
+            considered += 1
+            memory = estimate(shape, trial, algo, num_processes)
+            if smallest is None or memory["peak_reserved"] < smallest["memory"]["peak_reserved"]:
+                smallest = dict(args=trial, memory=memory, level=level)
+            if memory["peak_reserved"] > budget or any(u > budget for u in memory["other_gpus"].values()):
+                continue
+            fitting += 1
+            seconds = estimate_time(shape, trial, algo, num_processes, gpu, engine)
+            if best is None or seconds["step"] < best["time"]["step"]:
+                best = dict(args=trial, memory=memory, time=seconds, level=level, numerics=what)
+        if best is not None:
+            best_per_level.append(best)
+    if smallest is None:
+        raise ValueError("the planner found no valid configuration of these flags")
+    smallest["flags"] = flags_between(args, smallest["args"])
+    smallest["time"] = estimate_time(shape, smallest["args"], algo, num_processes, gpu, engine)
+    if not best_per_level:
+        return dict(flags=None, considered=considered, fitting=0, smallest=smallest)
+    fastest = min(b["time"]["step"] for b in best_per_level)
+    chosen = next(b for b in best_per_level if b["time"]["step"] <= NUMERICS_SLACK * fastest)
+    own = next((b for b in best_per_level if b["level"] == 0), None)
+    chosen = dict(chosen, kept_numerics_step=own["time"]["step"] if own else None)
+    return dict(chosen, flags=flags_between(args, chosen["args"]), considered=considered, fitting=fitting,
+                smallest=smallest)
+
+
+def flags_between(before, after):
+    """The command-line flags that turn `before` into `after` (each a script's Args)."""
+    import dataclasses
+
+    flags = []
+    for f in dataclasses.fields(after):
+        old, new = getattr(before, f.name), getattr(after, f.name)
+        if old != new:
+            if isinstance(new, bool):
+                flags += [f"--{f.name}"] if new else [f"--{f.name}", "false"]
+            elif new is not None:
+                flags += [f"--{f.name}", str(new)]
+    return flags
+
+
+def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_process=1, explicit=None, gpu=None,
+         engine="single"):
+    """Placement, then the fastest configuration that fits: with more than one GPU per process, the
+    frozen reference (and the PPO critic, the reward model) go to GPUs of their own first, as they cost
+    no time and change no math; then search() over the flags the user left unset (`explicit`: the
+    flags the user set; None: every flag that differs from its default counts as set).
+    `parse(extra flags) -> args`. Returns (flags added, lines of reasoning, final estimate with "time")."""
+    parse = parse or (lambda extra: apply_flags(args, extra))
+    if explicit is None:
+        explicit = _set_flags(args, algo)
+    budget = FIT_FRACTION * gpu_bytes
+    placed, reasons = [], []
     current = estimate(shape, args, algo, num_processes)
     free_gpus = [f"cuda:{i}" for i in range(1, gpus_per_process)]
     movable = [("critic", "the critic's weights, gradients, optimizer state and update")] if algo == "ppo" else []
@@ -297,42 +648,64 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_pro
     if args.reward_model_name_or_path:
         movable.append(("reward", "the reward model's weights and its scoring pass"))
     for role, what in movable:
-        if current["peak_reserved"] <= headroom or not free_gpus:
+        if current["peak_reserved"] <= budget or not free_gpus:
             break
         if getattr(args, f"{role}_device", None) is not None or (role == "ref" and args.use_lora):
             continue  # placed by the user, or (LoRA) the reference is the policy itself
         flags = [f"--{role}_device", free_gpus.pop(0)]
-        trial_flags = {**chosen, flags[0]: flags}
-        trial = parse([f for group in trial_flags.values() for f in group])
+        trial = parse(placed + flags)
         after = estimate(shape, trial, algo, num_processes)
         if after["peak_reserved"] < current["peak_reserved"]:
             there = after["other_gpus"][flags[1]]
             reasons.append(f"{' '.join(flags)}: {what} on a GPU of their own ({there / GIB:.1f} GiB there): "
                            f"{current['peak_reserved'] / GIB:.1f} -> {after['peak_reserved'] / GIB:.1f} GiB here")
-            chosen, args, current = trial_flags, trial, after
-    progress = True
-    while current["peak_reserved"] > headroom and progress:
-        progress = False
-        for flags, why, applies in LEVERS:
-            if current["peak_reserved"] <= headroom:
-                break
-            if not applies(args):
-                continue
-            trial_flags = {**chosen, flags[0]: flags}
-            trial = parse([f for group in trial_flags.values() for f in group])
-            after = estimate(shape, trial, algo, num_processes)
-            if after["peak_reserved"] < current["peak_reserved"]:
-                reasons.append(f"{' '.join(flags)}: {why}: {current['peak_reserved'] / GIB:.1f} -> "
-                               f"{after['peak_reserved'] / GIB:.1f} GiB")
-                chosen, args, current, progress = trial_flags, trial, after, True
-    if current["peak_reserved"] > headroom:
-        reasons.append(f"still {current['peak_reserved'] / GIB:.1f} GiB > {headroom / GIB:.1f} GiB (90% of the GPU): "
-                       + ("use --use_lora (with --load_in_4bit for QLoRA), " if not args.use_lora else "")
-                       + "more GPUs (accelerate launch, DeepSpeed/FSDP configs), or a smaller batch")
-    for device, used in current["other_gpus"].items():
-        if used > headroom:
-            reasons.append(f"{device} would need {used / GIB:.1f} GiB, more than 90% of it")
-    return [f for group in chosen.values() for f in group], reasons, current
+            placed, args, current = placed + flags, trial, after
+            explicit = explicit | {f"{role}_device"}
+    found = search(shape, args, algo, gpu_bytes, explicit, num_processes, gpu, engine)
+    if found["flags"] is None:
+        small = found["smallest"]
+        reasons.append(f"nothing fits: the least memory of {found['considered']} configurations is "
+                       f"{small['memory']['peak_reserved'] / GIB:.1f} GiB > {budget / GIB:.1f} GiB "
+                       f"({FIT_FRACTION:.0%} of {gpu_bytes / GIB:.1f} GiB), with {' '.join(small['flags']) or 'no flags'}")
+        if not args.use_lora:
+            reasons += lora_alternatives(shape, args, algo, gpu_bytes, num_processes, gpu, engine)
+        reasons.append("or more GPUs (accelerate launch with DeepSpeed/FSDP configs), or a smaller batch")
+        final = dict(small["memory"], time=small["time"])
+        return placed, reasons, final
+    final = dict(found["memory"], time=found["time"])
+    if found["numerics"]:
+        kept = found["kept_numerics_step"]
+        reasons.append(f"numerics changed: {found['numerics']} (" + (
+            "the flags' own numerics fit in no configuration)" if kept is None else
+            f"keeping the flags' own would take {kept:.1f} s per step, more than {NUMERICS_SLACK}x)"))
+    reasons.append(f"the fastest of {found['fitting']} fitting configurations ({found['considered']} considered): "
+                   f"{final['peak_reserved'] / GIB:.1f} GiB, {final['time']['step']:.1f} s per step estimated")
+    return placed + found["flags"], reasons, final
+
+
+def lora_alternatives(shape, args, algo, gpu_bytes, num_processes=1, gpu=None, engine="single"):
+    """When full-parameter training fits nowhere: the fastest LoRA and QLoRA runs that fit (lines)."""
+    lines = []
+    for extra, name in ((["--use_lora"], "LoRA"), (["--use_lora", "--load_in_4bit"], "QLoRA")):
+        trial = apply_flags(args, extra)
+        found = search(shape, trial, algo, gpu_bytes, _set_flags(trial, algo) | {"use_lora", "load_in_4bit"},
+                       num_processes, gpu, engine)
+        if found["flags"] is None:
+            lines.append(f"{name} (r{args.lora_r}, {' '.join(extra)}) does not fit either "
+                         f"(least {found['smallest']['memory']['peak_reserved'] / GIB:.1f} GiB)")
+        else:
+            lines.append(f"{name} r{args.lora_r} fits: {found['memory']['peak_reserved'] / GIB:.1f} GiB, "
+                         f"{found['time']['step']:.1f} s per step estimated, with {' '.join(extra + found['flags'])}")
+    return lines
+
+
+def _set_flags(args, algo):
+    """The flags whose value differs from the script's default: what the user set, as far as a parsed
+    `args` can tell (the scripts pass the exact set)."""
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING
+            and getattr(args, f.name) != f.default}
 
 
 def apply_flags(args, flags):
@@ -359,42 +732,66 @@ def apply_flags(args, flags):
     return args
 
 
-def run_planner(args, algo, num_processes, device, is_main=True):
-    """--plan / --auto_memory in the scripts: print the estimate and the plan; exit after --plan;
-    return the flags to add for --auto_memory. Before any model loads."""
+def run_planner(args, algo, num_processes, device, is_main=True, explicit=None, engine="single"):
+    """--plan / --auto_memory in the scripts: print the estimate (memory and time per phase) and the
+    plan; exit after --plan; return the flags to add for --auto_memory. Before any model loads."""
     from utils.cli import UsageError
 
+    on_gpu = str(device).startswith("cuda")
     if args.gpu_memory:
         gpu_bytes = parse_memory(args.gpu_memory)
-    elif str(device).startswith("cuda"):
+    elif on_gpu:
         import torch
 
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
     else:
-        raise UsageError("--plan / --auto_memory: no GPU here to plan for; give --gpu_memory (e.g. 80GiB)")
-    shape = load_shape(args.model_name_or_path)
-    gpus = owned_gpus(num_processes) if str(device).startswith("cuda") else 1
+        raise UsageError("--plan / --auto_memory: no GPU here to plan for; give --gpu_memory (e.g. 24GB, a card as "
+                         "sold, or 21GiB)")
+    try:
+        shape = load_shape(args.model_name_or_path)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    gpu = gpu_of(__import__("torch").cuda.get_device_name(device) if on_gpu else None)
+    gpus = owned_gpus(num_processes) if on_gpu else 1
+    if not on_gpu:  # planned for a GPU, run here: no compiling, and the CPU's generate
+        explicit = (explicit if explicit is not None else _set_flags(args, algo)) | {
+            "torch_compile", "generation_backend", "generation_copy"}
     added, reasons, final = plan(shape, args, algo, gpu_bytes, num_processes, parse=lambda f: apply_flags(args, f),
-                                 gpus_per_process=gpus)
+                                 gpus_per_process=gpus, explicit=explicit, gpu=gpu, engine=engine)
+    fits = final["peak_reserved"] <= FIT_FRACTION * gpu_bytes
+    if args.auto_memory and num_processes == 1 and not args.auto_reduce_micro_batch:
+        added = added + ["--auto_reduce_micro_batch"]  # an estimate too low costs a halved micro-batch, not the run
     if is_main:
-        print(report(shape, estimate(shape, args, algo, num_processes), gpu_bytes))
-        print("plan: " + ("fits as it is" if not added else " ".join(added)) + "".join("\n  " + r for r in reasons)
-              + f"\nestimated peak reserved with the plan: {final['peak_reserved'] / GIB:.1f} GiB", flush=True)
+        own = estimate(shape, args, algo, num_processes)
+        print(report(shape, own, gpu_bytes, estimate_time(shape, args, algo, num_processes, gpu, engine), gpu))
+        print("plan: " + (" ".join(added) if added else "fits as it is" if fits else "nothing fits")
+              + "".join("\n  " + r for r in reasons)
+              + f"\nestimated with the plan: peak reserved {final['peak_reserved'] / GIB:.1f} GiB, step "
+              f"{final['time']['step']:.1f} s (" + ", ".join(f"{p} {t:.2f}" for p, t in final["time"]["phases"].items())
+              + ")", flush=True)
     if args.plan:
         sys.exit(0)
     return added
 
 
-def report(shape, est, gpu_bytes=None) -> str:
+def report(shape, est, gpu_bytes=None, seconds=None, gpu=None) -> str:
+    """The estimate as a table: components, then per phase its peak and (with `seconds`) its time."""
     lines = [f"model: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, vocab "
              f"{shape.vocab}); micro-batch {est['tokens_per_micro_batch']} tokens; {est['rows']} completions "
              "per process per step", f"{'component':<28}{'GiB':>9}"]
     lines += [f"{name:<28}{value / GIB:>9.2f}" for name, value in est["components"].items() if value]
-    lines += [f"{'phase peak (allocated)':<28}{'GiB':>9}"]
-    lines += [f"{name:<28}{value / GIB:>9.2f}" for name, value in est["phases"].items()]
+    lines += [f"{'phase':<28}{'peak GiB':>9}" + (f"{'seconds':>10}" if seconds else "")]
+    times = seconds["phases"] if seconds else {}
+    for name in list(est["phases"]) + [p for p in times if p not in est["phases"]]:
+        peak = f"{est['phases'][name] / GIB:>9.2f}" if name in est["phases"] else f"{'':>9}"
+        lines.append(f"{name:<28}{peak}" + (f"{times[name]:>10.2f}" if name in times else ""))
     lines.append(f"peak reserved (estimated): {est['peak_reserved'] / GIB:.2f} GiB"
-                 + (f" of {gpu_bytes / GIB:.0f} GiB" if gpu_bytes else "")
+                 + (f" of {gpu_bytes / GIB:.1f} GiB" if gpu_bytes else "")
                  + f"; host memory for offloading: {est['host_bytes'] / GIB:.1f} GiB")
+    if seconds:
+        lines.append(f"step time (estimated, steps after the first, on {(gpu or GPUS['h200'])['name']}): "
+                     f"{seconds['step']:.1f} s with --generation_backend {seconds['backend']}"
+                     + "".join(f"; not measured: {u}" for u in seconds["unmeasured"]))
     lines += [f"{device}: peak reserved (estimated) {used / GIB:.2f} GiB (roles placed there)"
               for device, used in est["other_gpus"].items()]
     return "\n".join(lines)
@@ -454,6 +851,15 @@ HELD_OUT = [
     ("qwen2.5-1.5b", "--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
      "--generation_backend compiled --torch_compile --ref_device swap --per_device_train_batch_size 16".split(), 17.63),
 ]
+
+
+def _then_default(rows):
+    """Runs measured before --generation_backend auto decoded with hf, then the default: said as a flag."""
+    return [(shape, flags if "--generation_backend" in flags else flags + ["--generation_backend", "hf"], gib)
+            for shape, flags, gib in rows]
+
+
+MEASURED, HELD_OUT = _then_default(MEASURED), _then_default(HELD_OUT)
 WORKLOAD_GRPO = ["--prompts_per_step", "16", "--num_generations", "8", "--max_prompt_length", "256",
                  "--max_completion_length", "512", "--beta", "0.04", "--model_name_or_path", "x"]
 # W-PPO (actor, critic and reference of one shape), measured 2026-12-01 with benchmarks/throughput.py --script ppo
@@ -465,8 +871,79 @@ WORKLOAD_PPO = ["--prompts_per_step", "128", "--max_prompt_length", "256", "--ma
                 "--ppo_epochs", "1", "--model_name_or_path", "x"]
 
 
-def script_args(algo, argv):
-    """The training script's Args parsed from argv, checked as the script checks them."""
+# Step times (median of steps 2..) and phase times (s, those of 0.1 s and more) of W-GRPO / W-PPO runs on
+# one H200, 2026-11-30 and 12-01 (benchmarks/throughput.py, which adds --use_gradient_checkpointing, and
+# benchmarks/memory.py's sweep of 2 steps, which does not): (shape, algo, flags, step, phases). The time
+# model's fitted constants were fitted to TIME_FIT (least squares on log phase and step times, a weak
+# prior on each); TIME_HELD_OUT was not used. Runs before 2026-12-01 decoded with hf, then the default.
+LEAN = ("--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
+        "--generation_backend compiled")
+TIME_FIT = [
+    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --generation_backend compiled",
+     8.05, {"generate": 3.44, "ref": 0.81, "actor_update": 3.77}),
+    ("qwen2.5-1.5b", "grpo", LEAN, 6.74, {"generate": 2.18, "ref": 0.81, "actor_update": 3.72}),
+    ("qwen2.5-1.5b", "grpo", LEAN + " --torch_compile", 5.64, {"generate": 2.18, "ref": 0.62, "actor_update": 2.81}),
+    ("qwen2.5-1.5b", "grpo", LEAN + " --torch_compile --ref_offload",
+     17.28, {"generate": 2.18, "ref": 12.2, "actor_update": 2.8}),
+    ("qwen2.5-1.5b", "grpo", LEAN + " --torch_compile --ref_offload --per_device_train_batch_size 16",
+     13.67, {"generate": 2.18, "ref": 8.76, "actor_update": 2.69}),
+    ("qwen2.5-1.5b", "grpo", LEAN + " --torch_compile --ref_device swap",
+     6.14, {"generate": 2.21, "ref": 0.68, "actor_update": 3.19}),
+    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --generation_backend hf",
+     18.72, {"generate": 13.96, "ref": 0.8, "actor_update": 3.89}),
+    ("qwen2.5-1.5b", "ppo", LEAN,
+     11.36, {"generate": 2.23, "ref": 0.82, "old_logprobs": 0.84, "values": 0.69, "actor_update": 3.5, "critic_update": 3.05}),
+    ("qwen2.5-7b", "grpo", LEAN, 19.37, {"generate": 5.06, "ref": 2.8, "actor_update": 11.47}),
+    ("qwen2.5-7b", "grpo", "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_backend compiled",
+     28.88, {"generate": 15.08, "ref": 2.9, "actor_update": 10.87}),
+    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --activation_offload --generation_backend hf",
+     19.6, {"generate": 14.98, "ref": 0.81, "actor_update": 3.79}),
+    ("qwen2.5-1.5b", "grpo", "--use_dynamic_bsz --max_token_len_per_gpu 8192 --generation_backend hf",
+     19.63, {"generate": 15.84, "ref": 0.8, "actor_update": 2.95}),
+    ("qwen2.5-1.5b", "grpo", "--optim adamw_4bit --generation_backend hf",
+     20.63, {"generate": 16.49, "ref": 0.85, "actor_update": 3.25}),
+    ("qwen2.5-1.5b", "grpo", "--torch_dtype bfloat16 --generation_backend hf",
+     17.43, {"generate": 13.59, "ref": 0.88, "actor_update": 2.91}),
+    ("qwen2.5-1.5b", "grpo", "--param_offload --offload_policy embedding,lm_head --generation_backend hf",
+     39.94, {"generate": 15.38, "ref": 0.8, "actor_update": 23.73}),
+    ("qwen2.5-1.5b", "grpo", "--use_lora --generation_backend hf",
+     39.8, {"generate": 35.26, "ref": 0.94, "actor_update": 3.61}),
+]
+TIME_HELD_OUT = [
+    ("qwen2.5-1.5b", "grpo", LEAN + " --empty_cache_between_phases",
+     6.86, {"generate": 2.3, "ref": 0.82, "actor_update": 3.68}),
+    ("qwen2.5-1.5b", "grpo", LEAN + " --torch_compile --empty_cache_between_phases",
+     6.05, {"generate": 2.35, "ref": 0.62, "actor_update": 3.03}),
+    ("qwen2.5-1.5b", "grpo", LEAN + " --torch_compile --ref_device swap --per_device_train_batch_size 16",
+     5.7, {"generate": 2.21, "ref": 0.67, "actor_update": 2.78}),
+    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --generation_backend compiled --torch_compile",
+     7.26, {"generate": 3.45, "ref": 0.62, "actor_update": 3.12}),
+    ("qwen2.5-1.5b", "ppo", LEAN + " --torch_compile",
+     9.84, {"generate": 2.27, "ref": 0.63, "old_logprobs": 0.64, "values": 0.49, "actor_update": 2.94,
+            "critic_update": 2.5}),
+    ("qwen2.5-7b", "grpo", "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_copy "
+     "--generation_backend compiled",
+     19.45, {"generate": 5.13, "ref": 2.9, "actor_update": 11.37}),
+    ("qwen2.5-1.5b", "grpo", "--generation_backend hf", 21.8, {}),
+    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --generation_backend hf", 21.1, {}),
+    ("qwen2.5-1.5b", "grpo", "--logprob_chunk_size 1024 --generation_backend hf", 18.6, {}),
+    ("qwen2.5-1.5b", "grpo", "--optim adamw_8bit --generation_backend hf", 17.5, {}),
+    ("qwen2.5-1.5b", "grpo", "--empty_cache_between_phases --generation_backend hf",
+     21.2, {"generate": 17.08, "ref": 0.83, "actor_update": 3.23}),
+    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu "
+     "8192 --logprob_chunk_size 1024 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload --generation_slice_size 32 "
+     "--empty_cache_between_phases --generation_backend hf",
+     83.7, {"generate": 65.31, "ref": 14.66, "actor_update": 3.64}),
+]
+
+# benchmarks/budget.py's runs on one H200 under the enforced cap, measured after the time model was
+# fitted (held out): dict(shape, algo, flags, peak_reserved_gib, step_time_s) -- filled from its JSON
+BUDGET_RUNS = []
+
+
+def script_args(algo, argv, with_explicit=False):
+    """The training script's Args parsed from argv, checked as the script checks them (and, with
+    with_explicit, the names of the flags argv set)."""
     import os
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -477,7 +954,7 @@ def script_args(algo, argv):
     module = importlib.import_module("train_grpo" if algo == "grpo" else "train_ppo")
     args, explicit = parse_args(module.Args, argv)
     module.check_args(args, 1, explicit)
-    return args
+    return (args, explicit) if with_explicit else args
 
 
 def main(argv=None):
@@ -487,50 +964,84 @@ def main(argv=None):
     script_argv = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-1.5b", help="a workload shape name, hub id or local folder")
+    parser.add_argument("--model", default="qwen2.5-1.5b",
+                        help=f"a workload shape ({', '.join(SHAPES)}), a hub id or a local folder (its config.json)")
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
-    parser.add_argument("--gpu_memory", help="e.g. 80GiB; default: the first visible GPU's")
+    parser.add_argument("--gpu_memory", help="a card as sold (24GB: its usable 21 GiB) or a budget (21GiB); default: "
+                        "the first visible GPU's memory")
+    parser.add_argument("--gpu", choices=list(GPUS), help="whose rates the time estimate uses; default: the visible "
+                        "GPU's, else h200 (the others are datasheet rates scaled, not measured)")
     parser.add_argument("--num_processes", type=int, default=1)
     parser.add_argument("--gpus_per_process", type=int, help="GPUs each process may place roles on (--ref_device "
                         "cuda:1 ...); default: the visible GPUs / --num_processes, 1 without GPUs")
-    parser.add_argument("--measured", action="store_true", help="estimate vs the measured H200 runs, and exit")
-    parser.add_argument("--workload", action="store_true", help="use W-GRPO's batch and lengths (workloads.md)")
+    parser.add_argument("--measured", action="store_true", help="estimates vs the measured H200 runs (memory and "
+                        "step time, fitted and held out), and exit")
+    parser.add_argument("--workload", action="store_true", help="use W-GRPO's (or W-PPO's) batch and lengths "
+                        "(benchmarks/README.md)")
     opts = parser.parse_args(argv)
     if opts.num_processes < 1 or (opts.gpus_per_process is not None and opts.gpus_per_process < 1):
         parser.error("--num_processes and --gpus_per_process must be at least 1")
     if opts.measured:
-        print(f"{'shape':<14}{'estimated GiB':>14}{'measured GiB':>14}{'error':>8}  {'set':<9}flags")
-        for rows, kind, algo, workload in ((MEASURED, "fit", "grpo", WORKLOAD_GRPO),
-                                           (HELD_OUT, "held out", "grpo", WORKLOAD_GRPO),
-                                           (HELD_OUT_PPO, "held out", "ppo", WORKLOAD_PPO)):
-            for shape_name, flags, measured in rows:
-                est = estimate(load_shape(shape_name), script_args(algo, workload + flags), algo)["peak_reserved"]
-                est /= GIB
-                print(f"{shape_name:<14}{est:>14.2f}{measured:>14.2f}{(est / measured - 1):>+8.0%}  {kind:<9}"
-                      f"{algo.upper()} {' '.join(flags)}")
+        print_measured()
         return
-    base = (WORKLOAD_GRPO if opts.workload else []) + script_argv
+    workload = (WORKLOAD_GRPO if opts.algo == "grpo" else WORKLOAD_PPO) if opts.workload else []
+    base = workload + script_argv
     base = base if any(a == "--model_name_or_path" for a in base) else base + ["--model_name_or_path", opts.model]
-    args = script_args(opts.algo, base)
-    shape = load_shape(opts.model)
-    if opts.gpu_memory:
-        gpu_bytes = parse_memory(opts.gpu_memory)
-    else:
-        import torch
+    args, explicit = script_args(opts.algo, base, with_explicit=True)
+    try:
+        shape = load_shape(opts.model)
+        gpu_bytes = parse_memory(opts.gpu_memory) if opts.gpu_memory else None
+    except ValueError as e:
+        parser.error(str(e))
+    import torch
 
+    if gpu_bytes is None:
         if not torch.cuda.is_available():
-            parser.error("no GPU visible: give --gpu_memory (e.g. 80GiB)")
+            parser.error("no GPU visible: give --gpu_memory (e.g. 24GB, a card as sold, or 21GiB)")
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    gpu = GPUS[opts.gpu] if opts.gpu else gpu_of(torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     gpus = opts.gpus_per_process if opts.gpus_per_process is not None else owned_gpus(opts.num_processes)
-    print(report(shape, estimate(shape, args, opts.algo, opts.num_processes), gpu_bytes))
+    print(report(shape, estimate(shape, args, opts.algo, opts.num_processes), gpu_bytes,
+                 estimate_time(shape, args, opts.algo, opts.num_processes, gpu), gpu))
     added, reasons, final = plan(shape, args, opts.algo, gpu_bytes, opts.num_processes,
-                                 parse=lambda extra: apply_flags(args, extra), gpus_per_process=gpus)
-    print("\nplan:" if added else "\nplan: fits as it is")
+                                 parse=lambda extra: apply_flags(args, extra), gpus_per_process=gpus,
+                                 explicit=explicit, gpu=gpu)
+    fits = final["peak_reserved"] <= FIT_FRACTION * gpu_bytes
+    print("\nplan:" if added else "\nplan: fits as it is" if fits else "\nplan: nothing fits")
     for line in reasons:
         print("  " + line)
     if added:
-        print(f"add: {' '.join(added)}  -> estimated peak reserved {final['peak_reserved'] / GIB:.1f} GiB"
-              + "".join(f"; {d}: {u / GIB:.1f} GiB" for d, u in final["other_gpus"].items()))
+        print(f"add: {' '.join(added)}\n  -> estimated peak reserved {final['peak_reserved'] / GIB:.1f} GiB, step "
+              f"{final['time']['step']:.1f} s (" + ", ".join(f"{p} {t:.2f}" for p, t in final["time"]["phases"].items())
+              + ")" + "".join(f"; {d}: {u / GIB:.1f} GiB" for d, u in final["other_gpus"].items()))
+
+
+def measured_rows():
+    """(set, algo, shape, flags, measured GiB or None, measured step s or None): every H200 run the
+    planner is checked against."""
+    out = []
+    for rows, kind, algo in ((MEASURED, "fit", "grpo"), (HELD_OUT, "held out", "grpo"),
+                             (HELD_OUT_PPO, "held out", "ppo")):
+        out += [(kind, algo, shape, flags, gib, None) for shape, flags, gib in rows]
+    for rows, kind in ((TIME_FIT, "fit"), (TIME_HELD_OUT, "held out")):
+        out += [(kind, algo, shape, flags.split(), None, step) for shape, algo, flags, step, _ in rows]
+    out += [("held out", row["algo"], row["shape"], row["flags"], row["peak_reserved_gib"], row["step_time_s"])
+            for row in BUDGET_RUNS]
+    return out
+
+
+def print_measured():
+    print(f"{'shape':<14}{'est GiB':>9}{'meas GiB':>9}{'error':>7}{'est s':>8}{'meas s':>8}{'error':>7}  "
+          f"{'set':<9}flags")
+    for kind, algo, shape_name, flags, gib, step in measured_rows():
+        args = script_args(algo, (WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO) + list(flags))
+        shape = load_shape(shape_name)
+        est_gib = estimate(shape, args, algo)["peak_reserved"] / GIB
+        est_s = estimate_time(shape, args, algo)["step"]
+        cells = [f"{est_gib:>9.2f}", f"{gib:>9.2f}" if gib else f"{'':>9}",
+                 f"{est_gib / gib - 1:>+7.0%}" if gib else f"{'':>7}", f"{est_s:>8.2f}",
+                 f"{step:>8.2f}" if step else f"{'':>8}", f"{est_s / step - 1:>+7.0%}" if step else f"{'':>7}"]
+        print(f"{shape_name:<14}" + "".join(cells) + f"  {kind:<9}{algo.upper()} {' '.join(flags)}")
 
 
 if __name__ == "__main__":
