@@ -147,14 +147,15 @@ def build_model(shape, folder, on_gpu):
 
 
 def build_id_tokenizer(vocab_size):
-    """Tokens `<0>` ... `<V-1>` split on whitespace and decoded joined by spaces; eos `<V-2>`, pad `<V-1>`."""
+    """Tokens `<0>` ... `<V-1>` split on whitespace and decoded joined by spaces; eos `<V-2>`, pad `<V-1>`, unknown `<0>`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token=None))
+    # an unknown word (a reward model reads prompt + completion joined, "<7><9>") reads as <0>
+    core = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=f"<{vocab_size - 2}>",
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=f"<{vocab_size - 2}>", unk_token="<0>",
                                    pad_token=f"<{vocab_size - 1}>", clean_up_tokenization_spaces=False)
 
 

@@ -198,7 +198,11 @@ class RewardModel:
         self.model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, trust_remote_code=trust_remote_code, **kwargs
         )
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
         try:
+            if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):
+                # transformers would build an empty tokenizer of the config's type from such a folder
+                raise OSError(f"{path} holds no tokenizer files")
             self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, TypeError):
             if fallback_tokenizer is None:

@@ -1,0 +1,189 @@
+"""The budget table: for each card a user may own, the run --auto_memory chooses for it, measured under
+the enforced cap (--gpu_memory caps the allocator, so one large GPU stands in for each card).
+
+    python benchmarks/budget.py                                   # every row, one GPU, results in benchmarks/results/budget/
+    python benchmarks/budget.py --rows 1.5b_full_24gb,7b_qlora_24gb --steps 4
+    python benchmarks/budget.py --table                           # the table and plot from the rows' JSON files only
+    python benchmarks/budget.py --rows 1.5b_full_24gb --shape tiny --steps 2   # CPU smoke test (no cap on a CPU)
+
+Each row runs train_grpo.py / train_ppo.py on the W-GRPO / W-PPO workload (benchmarks/README.md;
+random-weight models from benchmarks/memory.py) with the row's training mode and `--auto_memory
+--gpu_memory CARD` alone: the planner's flags, none chosen by hand. Each row's JSON
+(<out>/budget/<row>.json) holds the card, model and mode, the flags the planner chose, its estimated peak
+reserved and step time, the measured peak reserved (max over phases and steps), the median step time
+(steps 2..), completion tokens/s, the per-phase times, TRL 1.16's figure on the same workload and the
+row's target; budget.md and budget.png (step time against the card's budget, one line per model and
+mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
+sessions add up.
+"""
+import json
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.memory import command, device_info, fmt, prepare_inputs, run_config  # noqa: E402
+from utils.base import GIB, parse_memory  # noqa: E402
+
+# TRL 1.16 GRPOTrainer on W-GRPO, one H200, 2026-11-30 (its own numerics: bf16 autocast, AdamW unless named)
+TRL_15B = "15.1 s at 18.5 GiB"
+TRL_7B = "28.6 s at 68.1 GiB (8-bit AdamW + Liger)"
+TRL_7B_LORA = "does not fit (25.7 GiB)"
+TRL_7B_QLORA = "57.5 s at 13.5 GiB"
+# name -> (shape, script, mode, card, the mode's flags, TRL's figure, TRL step s or None, target step s)
+ROWS = {
+    "1.5b_no_flags": ("qwen2.5-1.5b", "grpo", "full, default numerics, no flags", None, [], TRL_15B, 15.1, 7.55),
+    "1.5b_full_24gb": ("qwen2.5-1.5b", "grpo", "full", "24GB", [], TRL_15B, 15.1, 5.0),
+    "1.5b_full_12gb": ("qwen2.5-1.5b", "grpo", "full", "12GB", [], "does not fit", None, 8.0),
+    "7b_full_80gb": ("qwen2.5-7b", "grpo", "full", "80GB", [], TRL_7B, 28.6, 16.0),
+    "7b_full_48gb": ("qwen2.5-7b", "grpo", "full", "48GB", [], "does not fit", None, 22.0),
+    "7b_lora_24gb": ("qwen2.5-7b", "grpo", "LoRA r16, bf16 base", "24GB", ["--use_lora", "--torch_dtype", "bfloat16"],
+                     TRL_7B_LORA, None, 22.0),
+    "7b_qlora_24gb": ("qwen2.5-7b", "grpo", "QLoRA r16", "24GB", ["--use_lora", "--load_in_4bit"], TRL_7B_QLORA, 57.5,
+                      20.0),
+    "7b_qlora_12gb": ("qwen2.5-7b", "grpo", "QLoRA r16", "12GB", ["--use_lora", "--load_in_4bit"], "does not fit",
+                      None, 40.0),
+    "ppo_1.5b_24gb": ("qwen2.5-1.5b", "ppo", "PPO, four roles, full", "24GB", ["--reward_model_name_or_path", "{model}"],
+                      "-", None, 12.0),
+    "ppo_7b_80gb": ("qwen2.5-7b", "ppo", "PPO, four roles, LoRA r16", "80GB",
+                    ["--use_lora", "--torch_dtype", "bfloat16", "--reward_model_name_or_path", "{model}"], "-", None,
+                    60.0),
+}
+
+
+def planned(log_text):
+    """(flags the planner added, its estimated peak reserved GiB, its estimated step s) from a run's log."""
+    line = next((line for line in log_text.splitlines() if line.startswith("plan: ")), "plan: ")
+    flags = line[len("plan: "):].strip()
+    est = re.search(r"estimated with the plan: peak reserved ([\d.]+) GiB, step ([\d.]+) s", log_text)
+    return (flags if flags not in ("fits as it is", "nothing fits") else "", float(est.group(1)) if est else None,
+            float(est.group(2)) if est else None)
+
+
+def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
+    row_shape, script, mode, card, mode_flags, trl, trl_s, target = ROWS[name]
+    shape = shape or row_shape
+    model_dir, tok_dir, dataset = prepare_inputs(shape, script, steps, cache_dir, on_gpu)
+    flags = [f.replace("{model}", model_dir) for f in mode_flags]
+    if card:
+        flags += ["--auto_memory", "--gpu_memory", card]
+    run_dir = os.path.join(cache_dir, "runs", f"budget_{name}_{shape}")
+    result = run_config(name, flags, command(shape, script, model_dir, tok_dir, dataset, run_dir, steps, flags),
+                        run_dir, echo=True)
+    log = open(result["log"]).read()
+    chosen, est_gib, est_s = planned(log)
+    cap = re.search(r"GPU memory cap: ([\d.]+) GiB", log)
+    measured, step = result["peak_reserved_gib"], result["step_time_s"]
+    verdict = ("n/a" if step is None or result["status"] != "ok" else
+               "MET" if step <= target and (cap or not card or not on_gpu) else f"MISSED by {step - target:.1f} s")
+    slowest = max(result["phases"].items(), key=lambda kv: kv[1]["time_s"] or 0)[0] if result["phases"] else None
+    row = dict(row=name, shape=shape, script=script, mode=mode, card=card,
+               budget_gib=parse_memory(card) / GIB if card else None, cap_gib=float(cap.group(1)) if cap else None,
+               mode_flags=mode_flags, planner_flags=chosen, estimated_peak_reserved_gib=est_gib,
+               estimated_step_s=est_s, peak_reserved_gib=measured, peak_allocated_gib=result["peak_allocated_gib"],
+               step_time_s=step, tokens_per_s=result["tokens_per_s"],
+               phases={p: v["time_s"] for p, v in result["phases"].items()}, slowest_phase=slowest, trl=trl,
+               trl_step_s=trl_s, target_step_s=target, verdict=verdict, status=result["status"], steps=steps,
+               gpu=gpu_name, date=time.strftime("%Y-%m-%d"), command=result["command"])
+    os.makedirs(os.path.join(out, "budget"), exist_ok=True)
+    with open(os.path.join(out, "budget", f"{name}.json"), "w") as f:
+        json.dump(row, f, indent=1)
+    print(f"[{name}] {row['status']}: {fmt(step, '.2f')} s per step (estimated {fmt(est_s, '.1f')}), peak reserved "
+          f"{fmt(measured)} GiB (estimated {fmt(est_gib, '.1f')}) under {card or 'no cap'}; target {target} s: {verdict}",
+          flush=True)
+    return row
+
+
+def load_rows(out):
+    folder = os.path.join(out, "budget")
+    rows = [json.load(open(os.path.join(folder, f))) for f in sorted(os.listdir(folder)) if f.endswith(".json")] \
+        if os.path.isdir(folder) else []
+    order = list(ROWS)
+    return sorted(rows, key=lambda r: order.index(r["row"]) if r["row"] in order else len(order))
+
+
+def markdown(rows):
+    head = ["model, training", "card (cap)", "TRL 1.16", "target", "measured step", "peak reserved GiB (est.)",
+            "completion tokens/s", "verdict", "slowest phase", "flags the planner chose"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        card = f"{r['card']} ({r['cap_gib']:.1f} GiB)" if r.get("cap_gib") else (r["card"] or "none (no flags)")
+        step = (f"{r['step_time_s']:.2f} s (est. {r['estimated_step_s']:.1f})" if r["step_time_s"] and
+                r["estimated_step_s"] else fmt(r["step_time_s"], ".2f") + " s" if r["step_time_s"] else r["status"])
+        mem = f"{fmt(r['peak_reserved_gib'])} ({fmt(r['estimated_peak_reserved_gib'], '.1f')})"
+        flags = f"`{r['planner_flags']}`" if r["planner_flags"] else ""
+        lines.append("| " + " | ".join([f"{r['shape']} {r['mode']}" + (" W-PPO" if r["script"] == "ppo" else ""),
+                                        card, r["trl"], f"<= {r['target_step_s']} s", step, mem,
+                                        fmt(r["tokens_per_s"], ".0f"), r["verdict"], r["slowest_phase"] or "",
+                                        flags]) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    lines = {}
+    for r in rows:
+        if r["step_time_s"] and r.get("budget_gib"):
+            lines.setdefault(f"{r['shape']} {r['mode']}" + (" (PPO)" if r["script"] == "ppo" else ""), []).append(r)
+    for i, (label, group) in enumerate(sorted(lines.items())):
+        group.sort(key=lambda r: r["budget_gib"])
+        color = f"C{i}"
+        ax.plot([r["budget_gib"] for r in group], [r["step_time_s"] for r in group], "o-", color=color, label=label)
+        for r in group:
+            if r.get("trl_step_s"):
+                ax.plot(r["budget_gib"], r["trl_step_s"], "x", color=color, markersize=10)
+    ax.plot([], [], "kx", label="TRL 1.16 on the same card")
+    ax.set_xlabel("GPU memory budget (GiB, the card's usable part, enforced)")
+    ax.set_ylabel("median step time (s)")
+    ax.set_title(f"The fastest run that fits, chosen by --auto_memory ({rows[0]['gpu'] if rows else ''})", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_table(out):
+    rows = load_rows(out)
+    with open(os.path.join(out, "budget", "budget.md"), "w") as f:
+        f.write(markdown(rows) + "\n")
+    plot(rows, os.path.join(out, "budget", "budget.png"))
+    return rows
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", help=f"comma list of {', '.join(ROWS)}; default: all")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per row (the median is over steps 2..)")
+    parser.add_argument("--shape", help="run the rows on this shape instead of their own (tiny: a CPU smoke test)")
+    parser.add_argument("--table", action="store_true", help="only rebuild budget.md and budget.png from the JSON")
+    parser.add_argument("--cache_dir", default="/tmp/lean_rl_bench")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    names = args.rows.split(",") if args.rows else list(ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown or args.steps < 2:
+        parser.error(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(ROWS)}" if unknown else
+                     "--steps must be at least 2 (step 1 compiles and captures)")
+    out = os.path.abspath(args.out)
+    if not args.table:
+        on_gpu, gpu_name = device_info()
+        for name in names:
+            run_row(name, args.steps, os.path.abspath(args.cache_dir), out, on_gpu, gpu_name, args.shape)
+    rows = write_table(out)
+    print("\n" + markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

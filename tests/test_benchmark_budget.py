@@ -1,0 +1,30 @@
+"""benchmarks/budget.py on the CPU (smoke test: the tiny shape, no cap without a GPU)."""
+import json
+
+from benchmarks import budget
+
+
+def test_budget_rows_write_their_json_and_the_table(tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    budget.main(["--rows", "1.5b_full_24gb,ppo_1.5b_24gb", "--shape", "tiny", "--steps", "2", "--out", str(out),
+                 "--cache_dir", str(cache)])
+    for name in ("1.5b_full_24gb", "ppo_1.5b_24gb"):
+        row = json.load(open(out / "budget" / f"{name}.json"))
+        assert row["status"] == "ok" and row["step_time_s"] > 0 and row["card"] == "24GB"
+        assert row["budget_gib"] == 21.0 and row["estimated_step_s"] is not None
+        assert "--auto_reduce_micro_batch" in row["planner_flags"]  # what --auto_memory added, read off the log
+        assert "--auto_memory --gpu_memory 24GB" in row["command"]
+    table = open(out / "budget" / "budget.md").read()
+    assert table.count("\n") == 4 and "15.1 s at 18.5 GiB" in table
+    assert (out / "budget" / "budget.png").stat().st_size > 5000
+    # --table alone rebuilds from the JSON files
+    (out / "budget" / "budget.md").unlink()
+    rows = budget.main(["--table", "--out", str(out)])
+    assert [r["row"] for r in rows] == ["1.5b_full_24gb", "ppo_1.5b_24gb"] and (out / "budget" / "budget.md").exists()
+
+
+def test_planned_reads_the_plan_off_a_log():
+    log = ("plan: --torch_dtype bfloat16 --optim adamw_8bit\n  numerics changed: ...\n"
+           "estimated with the plan: peak reserved 19.0 GiB, step 5.3 s (generate 2.19)\n")
+    assert budget.planned(log) == ("--torch_dtype bfloat16 --optim adamw_8bit", 19.0, 5.3)
+    assert budget.planned("plan: fits as it is\n")[0] == ""
