@@ -235,6 +235,11 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     if args.logprob_chunk_size and not args.use_lora:  # the head's weight gradient, summed over chunks
         comp["update/logits"] += 2 * shape.vocab * shape.hidden * train_bytes
     comp["ref/logits"] = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD + layer_act // 2
+    # torchao's 4-bit step (compiled) allocates int64 buffers the size of the largest parameter (on the
+    # H200: 1.74 GiB for the 1.5b embedding, 4.06 GiB for the 7b one; both runs ran out of memory there)
+    embeddings_on_gpu = (1 if shape.tied else 2) - offloaded // shape.embedding_params
+    largest = 0 if args.use_lora else shape.embedding_params if embeddings_on_gpu else shape.hidden * shape.inter
+    comp["update/optimizer_step"] = 16 * largest if args.optim == "adamw_4bit" else 0  # with what else was live there
 
     other = {}  # another GPU -> its peak: the role's state plus its own pass
     if reward_elsewhere:
@@ -259,7 +264,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"]) + swapped_ref
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
         "actor_update": static + kept + grads + max(casts + comp["update/activations"],
-                                                    comp["update/activations"] + comp["update/logits"]),
+                                                    comp["update/activations"] + comp["update/logits"],
+                                                    comp["update/optimizer_step"]),
     }
     if reward_state and args.reward_device == "swap":  # the reward model on the GPU for its phase only
         phases["reward"] = static + kept + reward_state + comp["ref/logits"] // 4
@@ -936,9 +942,36 @@ TIME_HELD_OUT = [
      83.7, {"generate": 65.31, "ref": 14.66, "actor_update": 3.64}),
 ]
 
-# benchmarks/budget.py's runs on one H200 under the enforced cap, measured after the time model was
-# fitted (held out): dict(shape, algo, flags, peak_reserved_gib, step_time_s) -- filled from its JSON
-BUDGET_RUNS = []
+# benchmarks/budget.py's rows on one H200 under the enforced cap, 2026-12-01, measured after the time model
+# was fitted (held out): the flags are the mode's and those --auto_memory chose (the 7B rows and the PPO row
+# were planned before the 4-bit optimizer step's buffers were counted; the 1.5b 12GB row after)
+BUDGET_RUNS = [
+    dict(row="1.5b_full_12gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=9.57, step_time_s=38.09,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
+                "--logprob_chunk_size 256 --optim adamw_8bit --param_offload --generation_backend hf "
+                "--ref_device swap --per_device_train_batch_size 4").split()),
+    dict(row="1.5b_full_24gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=17.24, step_time_s=5.89,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 "
+                "--optim adamw_8bit --generation_backend compiled --ref_device swap "
+                "--per_device_train_batch_size 32").split()),
+    dict(row="1.5b_no_flags", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=62.85, step_time_s=7.43,
+         flags=[]),
+    dict(row="7b_full_80gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=60.13, step_time_s=20.51,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size "
+                "1024 --optim adamw_8bit --generation_backend compiled --ref_device swap "
+                "--per_device_train_batch_size 32").split()),
+    dict(row="7b_lora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.84, step_time_s=26.74,
+         flags=("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --logprob_chunk_size 256 "
+                "--generation_slice_size 64 --generation_backend compiled --empty_cache_between_phases").split()),
+    dict(row="7b_qlora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.55, step_time_s=29.17,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload "
+                "--logprob_chunk_size 256 --generation_backend compiled --per_device_train_batch_size 32").split()),
+    dict(row="ppo_1.5b_24gb", shape="qwen2.5-1.5b", algo="ppo", peak_reserved_gib=20.54, step_time_s=11.11,
+         flags=("--reward_model_name_or_path x --torch_dtype bfloat16 --use_gradient_checkpointing "
+                "--torch_compile --logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
+                "--empty_cache_between_phases --ref_device swap --reward_device swap "
+                "--per_device_train_batch_size 16").split()),
+]
 
 
 def script_args(algo, argv, with_explicit=False):
