@@ -1,7 +1,7 @@
 """The budget table: for each card a user may own, the run --auto_memory chooses for it, measured under
 the enforced cap (--gpu_memory caps the allocator, so one large GPU stands in for each card).
 
-    python benchmarks/budget.py                                   # every row, one GPU, results in benchmarks/results/budget/
+    python benchmarks/budget.py                       # every row, one GPU, results in benchmarks/results/budget/
     python benchmarks/budget.py --rows 1.5b_full_24gb,7b_qlora_24gb --steps 4
     python benchmarks/budget.py --table                           # the table and plot from the rows' JSON files only
     python benchmarks/budget.py --rows 1.5b_full_24gb --shape tiny --steps 2   # CPU smoke test (no cap on a CPU)
@@ -46,8 +46,8 @@ ROWS = {
                       20.0),
     "7b_qlora_12gb": ("qwen2.5-7b", "grpo", "QLoRA r16", "12GB", ["--use_lora", "--load_in_4bit"], "does not fit",
                       None, 40.0),
-    "ppo_1.5b_24gb": ("qwen2.5-1.5b", "ppo", "PPO, four roles, full", "24GB", ["--reward_model_name_or_path", "{model}"],
-                      "-", None, 12.0),
+    "ppo_1.5b_24gb": ("qwen2.5-1.5b", "ppo", "PPO, four roles, full", "24GB",
+                      ["--reward_model_name_or_path", "{model}"], "-", None, 12.0),
     "ppo_7b_80gb": ("qwen2.5-7b", "ppo", "PPO, four roles, LoRA r16", "80GB",
                     ["--use_lora", "--torch_dtype", "bfloat16", "--reward_model_name_or_path", "{model}"], "-", None,
                     60.0),
@@ -92,7 +92,8 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
     with open(os.path.join(out, "budget", f"{name}.json"), "w") as f:
         json.dump(row, f, indent=1)
     print(f"[{name}] {row['status']}: {fmt(step, '.2f')} s per step (estimated {fmt(est_s, '.1f')}), peak reserved "
-          f"{fmt(measured)} GiB (estimated {fmt(est_gib, '.1f')}) under {card or 'no cap'}; target {target} s: {verdict}",
+          f"{fmt(measured)} GiB (estimated {fmt(est_gib, '.1f')}) under {card or 'no cap'}; target {target} s: "
+          f"{verdict}",
           flush=True)
     return row
 

@@ -9,8 +9,8 @@ import pytest
 import train_grpo
 from utils import toy
 from utils.cli import UsageError, parse_args
-from utils.plan import (BUDGET_RUNS, GIB, HELD_OUT, HELD_OUT_PPO, MEASURED, SHAPES, TIME_FIT, TIME_HELD_OUT, WORKLOAD_GRPO,
-                        WORKLOAD_PPO, Shape,
+from utils.plan import (BUDGET_RUNS, GIB, HELD_OUT, HELD_OUT_PPO, MEASURED, SHAPES, TIME_FIT, TIME_HELD_OUT,
+                        WORKLOAD_GRPO, WORKLOAD_PPO, Shape,
                         apply_flags, estimate, estimate_time, load_shape, parse_memory, plan, script_args,
                         search)
 
@@ -181,7 +181,8 @@ def test_apply_flags_and_memory_sizes():
 
 def test_gpu_memory_takes_cards_as_sold_and_budgets_in_gib():
     # GiB (or a bare number): the allocator budget itself
-    assert parse_memory("80GiB") == 80 * GIB and parse_memory("16") == 16 * GIB and parse_memory("10.5GiB") == 10.5 * GIB
+    assert parse_memory("80GiB") == 80 * GIB and parse_memory("16") == 16 * GIB
+    assert parse_memory("10.5GiB") == 10.5 * GIB
     # a card as sold: its usable part (the CUDA context and workspaces take the rest)
     assert [parse_memory(f"{gb}GB") / GIB for gb in (12, 24, 40, 48, 80)] == [10.5, 21.0, 36.0, 43.0, 73.0]
     assert parse_memory("100GB") == int((100e9 / GIB - 1.5) * GIB)  # not in the table: its GiB less 1.5

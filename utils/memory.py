@@ -102,7 +102,8 @@ def apply_memory_cap(gpu_memory, devices) -> list:
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         if budget >= total:
-            lines.append(f"GPU memory: --gpu_memory {gpu_memory} ({describe_memory(gpu_memory)}) is at least {device}'s "
+            lines.append(f"GPU memory: --gpu_memory {gpu_memory} ({describe_memory(gpu_memory)}) is at least "
+                         f"{device}'s "
                          f"{total / GIB:.1f} GiB: not capped")
             continue
         torch.cuda.set_per_process_memory_fraction(budget / total, device)

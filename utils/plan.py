@@ -328,7 +328,7 @@ MB_TOKENS = 1024
 MB_LAYER_S = 0.27e-3
 ADAMW_4BIT_S = 0.44e-9  # per parameter: torchao's 4-bit step (its quantise/dequantise kernels)
 EMPTY_CACHE_S = 0.012  # per micro-batch pass with --empty_cache_between_phases (allocator churn; assumed)
-RECAPTURE_S = 0.15  # a captured decoder dropped and captured again at each rollout (--empty_cache_between_phases; assumed)
+RECAPTURE_S = 0.15  # a captured decoder dropped and captured again per rollout (--empty_cache_between_phases; assumed)
 REWARD_FUNC_S = 0.3e-3  # per completion: decode the text and run a rule reward (assumed)
 
 
@@ -672,7 +672,8 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_pro
         small = found["smallest"]
         reasons.append(f"nothing fits: the least memory of {found['considered']} configurations is "
                        f"{small['memory']['peak_reserved'] / GIB:.1f} GiB > {budget / GIB:.1f} GiB "
-                       f"({FIT_FRACTION:.0%} of {gpu_bytes / GIB:.1f} GiB), with {' '.join(small['flags']) or 'no flags'}")
+                       f"({FIT_FRACTION:.0%} of {gpu_bytes / GIB:.1f} GiB), with "
+                       + (" ".join(small["flags"]) or "no flags"))
         if not args.use_lora:
             reasons += lora_alternatives(shape, args, algo, gpu_bytes, num_processes, gpu, engine)
         reasons.append("or more GPUs (accelerate launch with DeepSpeed/FSDP configs), or a smaller batch")
@@ -898,7 +899,8 @@ TIME_FIT = [
     ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --generation_backend hf",
      18.72, {"generate": 13.96, "ref": 0.8, "actor_update": 3.89}),
     ("qwen2.5-1.5b", "ppo", LEAN,
-     11.36, {"generate": 2.23, "ref": 0.82, "old_logprobs": 0.84, "values": 0.69, "actor_update": 3.5, "critic_update": 3.05}),
+     11.36, {"generate": 2.23, "ref": 0.82, "old_logprobs": 0.84, "values": 0.69, "actor_update": 3.5,
+             "critic_update": 3.05}),
     ("qwen2.5-7b", "grpo", LEAN, 19.37, {"generate": 5.06, "ref": 2.8, "actor_update": 11.47}),
     ("qwen2.5-7b", "grpo", "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_backend compiled",
      28.88, {"generate": 15.08, "ref": 2.9, "actor_update": 10.87}),
@@ -936,8 +938,9 @@ TIME_HELD_OUT = [
     ("qwen2.5-1.5b", "grpo", "--optim adamw_8bit --generation_backend hf", 17.5, {}),
     ("qwen2.5-1.5b", "grpo", "--empty_cache_between_phases --generation_backend hf",
      21.2, {"generate": 17.08, "ref": 0.83, "actor_update": 3.23}),
-    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu "
-     "8192 --logprob_chunk_size 1024 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload --generation_slice_size 32 "
+    ("qwen2.5-1.5b", "grpo", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz "
+     "--max_token_len_per_gpu 8192 --logprob_chunk_size 1024 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload "
+     "--generation_slice_size 32 "
      "--empty_cache_between_phases --generation_backend hf",
      83.7, {"generate": 65.31, "ref": 14.66, "actor_update": 3.64}),
 ]
