@@ -8,7 +8,7 @@ import pytest
 
 import train_grpo
 from utils import toy
-from utils.cli import UsageError, parse_args
+from utils.cli import parse_args
 from utils.plan import (BUDGET_RUNS, GIB, HELD_OUT, HELD_OUT_PPO, MEASURED, SHAPES, TIME_FIT, TIME_HELD_OUT,
                         WORKLOAD_GRPO, WORKLOAD_PPO, Shape,
                         apply_flags, estimate, estimate_time, load_shape, parse_memory, plan, script_args,

@@ -1,20 +1,24 @@
-"""Memory planner: the GPU memory a run will need, per role, component and phase, estimated from
-the model's config alone (no weights loaded), and the cheapest set of memory flags that fits.
+"""Planner: the GPU memory and the time a run will need, per role, component and phase, estimated
+from the model's config alone (no weights loaded), and the fastest configuration that fits a budget.
 
-    python -m utils.plan --model qwen2.5-7b --gpu_memory 48GiB                 # a workload shape
-    python -m utils.plan --model Qwen/Qwen2.5-1.5B-Instruct --algo ppo -- --use_lora
-    python -m utils.plan --model qwen2.5-1.5b --measured                       # vs the H200 runs
+    python -m utils.plan --model qwen2.5-7b --workload --gpu_memory 48GB       # a workload shape, a 48 GB card
+    python -m utils.plan --model Qwen/Qwen2.5-1.5B-Instruct --algo ppo --gpu_memory 24GB -- --use_lora
+    python -m utils.plan --measured                                            # vs the H200 runs
 
 Arguments after `--` are the training script's flags (the same parser, so the same names and
-defaults). The estimate is per process and counts what the scripts allocate: weights, gradients
-and optimizer state of each role, the KV cache and prefill of generation, activations (all
-layers, or only each layer's input under checkpointing, plus one layer recomputed), the LM head's
-logits with their fp32 copies, and the bf16 copies autocast makes of fp32 weights during a
-forward. Reserved memory is allocated memory plus the allocator's slack (a fitted fraction).
-The coefficients marked `fitted` were fitted to the H200 runs of benchmarks/memory.py
-(MEASURED below; `--measured` prints estimate against measurement for each)."""
+defaults). Memory (estimate) is per process and counts what the scripts allocate: weights, gradients
+and optimizer state of each role, the KV cache and prefill of generation, activations (all layers, or
+only each layer's input under checkpointing, plus one layer recomputed), the LM head's logits with
+their fp32 copies, the bf16 copies autocast makes of fp32 weights during a forward and torchao's 4-bit
+step buffers. Reserved memory is allocated memory plus the allocator's slack (a fitted fraction).
+Time (estimate_time) is seconds per phase: bytes over the bandwidth, FLOPs over the matmul rate,
+host-link bytes, per-layer and per-micro-batch overheads. search() tries every combination of the flags
+the user left unset and keeps the fastest that fits. The coefficients marked `fitted` were fitted to
+the H200 runs below (MEASURED for memory, TIME_FIT for time); HELD_OUT, TIME_HELD_OUT and BUDGET_RUNS
+were not used (`--measured` prints estimate against measurement for each).
 
-import math
+This module imports no runtime code (utils.base and utils.cli only; the scripts' Args to parse flags)."""
+
 import sys
 from dataclasses import dataclass
 
