@@ -463,8 +463,12 @@ def report_user_code_error(error: UserCodeError, output_dir: str, rank: int = 0,
     """Print the block for a failed reward function or reward model (the function, the step, what
     it returned or raised with its own traceback) and the newest complete checkpoint to resume
     from, then exit with code 1. Printed by the rank that failed."""
+    from tqdm.auto import tqdm
+
     from utils.checkpoint import list_checkpoints
 
+    for bar in list(getattr(tqdm, "_instances", ())):  # the progress bar ends before the block, not after it
+        bar.close()
     found = list_checkpoints(output_dir)
     resume = (f"the newest checkpoint is {found[-1][1]}: resume with --resume_from_checkpoint latest"
               if found else f"no checkpoint in {output_dir} yet")
