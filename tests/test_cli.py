@@ -223,3 +223,20 @@ def test_negative_numbers_are_values():
     assert args.learning_rate == -1e-3 and args.max_steps == -1 and args.reward_weights == "1,-0.5"
     with pytest.raises(UsageError, match=r"--learning_rate must be > 0 \(got -0.001\)"):
         train_grpo.check_args(args, 1)
+
+
+def test_readme_flag_rows_name_real_flags_or_trl_aliases():
+    """README and --help agree: every `--flag` row of the README's tables is a flag of a script or a
+    TRL name that the parser accepts (tests/test_readme.py checks the other direction)."""
+    import dataclasses
+    import os
+    import re
+
+    import train_ppo
+    from helpers import ROOT
+    from utils.cli import TRL_ALIASES
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = set(re.findall(r"^\| `--(\w+)` \|", f.read(), flags=re.M))
+    known = {f.name for script in (train_grpo, train_ppo) for f in dataclasses.fields(script.Args)} | set(TRL_ALIASES)
+    assert not rows - known, f"README rows for flags that no script has: {sorted(rows - known)}"
