@@ -334,7 +334,7 @@ def parse_args(args_class, argv=None):
         elif token.startswith("--config="):
             config_path = token.split("=", 1)[1]
     if config_path is not None:  # config keys may use TRL's names too; later tokens win in argparse
-        known = fields | {n for n in TRL_ALIASES if TRL_ALIASES[n][0] in fields} | set(TRL_DERIVED)
+        known = fields | set(TRL_ALIASES) | set(TRL_DERIVED) | set(TRL_NOT_HERE) | set(OTHER_SCRIPT)  # said below
         argv = _config_to_argv(config_path, known) + argv
     argv, derived = _normalise(argv, parser, fields)
     namespace, rest = parser.parse_known_args(argv)
