@@ -133,8 +133,9 @@ def aggregate_loss(per_token_loss, loss_mask, loss_type, num_sequences, num_toke
 def check_args(args, num_processes, explicit=frozenset()):
     """Validate flags and derive per-process sizes; raises UsageError naming the flag. A
     micro-batch the user did not set shrinks to divide this process's completions."""
-    from utils.cli import UsageError
+    from utils.cli import UsageError, apply_trl_generation_batch_size, apply_trl_gradient_accumulation
 
+    apply_trl_generation_batch_size(args, explicit, args.num_generations)  # TRL's name, if given: checked
     check_shared_args(args, num_processes)
     if args.num_iterations < 1:
         raise UsageError(f"--num_iterations must be at least 1 (got {args.num_iterations})")
@@ -156,6 +157,7 @@ def check_args(args, num_processes, explicit=frozenset()):
             "(every process generates whole groups); use a multiple of the process count"
         )
     local_completions = args.prompts_per_step // num_processes * args.num_generations
+    apply_trl_gradient_accumulation(args, explicit, local_completions)  # TRL's name, if given: checked
     if local_completions % args.per_device_train_batch_size and "per_device_train_batch_size" not in explicit:
         args.per_device_train_batch_size = math.gcd(args.per_device_train_batch_size, local_completions)
     if local_completions % args.per_device_train_batch_size:
@@ -179,7 +181,8 @@ def main(argv=None):
     from utils import rewards as reward_utils
     from utils.base import resolve_generation_backend
     from utils.checkpoint import Checkpointer, resolve_resume
-    from utils.cli import UsageError, fail, parse_args
+    from utils.cli import (UsageError, UserCodeError, fail, parse_args, quiet_library_warnings,
+                           report_user_code_error, set_cpu_threads)
     from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
@@ -188,12 +191,14 @@ def main(argv=None):
                               gpu_peaks_line, host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 compile_repeated_blocks, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
-                                lora_kwargs, quantization_of, resolve_mixed_precision)
+                                lora_kwargs, quantization_of, resolve_mixed_precision, check_model_paths)
     from utils.offload import ParamOffload, enable_activation_offload, resident
     from utils.ops import batched_completion_logprobs, completion_logprobs, plan_micro_batches
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
     from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
     from utils.plan import run_planner
+
+    quiet_library_warnings()  # other libraries' start-up warnings that say nothing here (utils/cli.py)
 
     # ---- 1. arguments, checked before any model loads -------------------------------------------
     try:
@@ -217,12 +222,14 @@ def main(argv=None):
             check_engine_args(args, engine)
         check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
         check_report_to(args.report_to)
+        check_model_paths(args)  # a folder, or a hub id in the cache (or on the hub, online)
         specs, reward_fns, reward_weights = reward_utils.resolve_rewards(
             args.reward_funcs, args.reward_weights, args.reward_model_name_or_path)
         placements = resolve_placements({"actor": args.actor_device, "ref": args.ref_device,
                                          "reward": args.reward_device}, accelerator.device,
                                         args.offload_execution_device, num_processes)
         dataset = data_utils.load_task_dataset(args, accelerator, answer_required="accuracy" in specs)
+        reward_utils.check_reward_signatures(reward_fns, dataset.column_names, args.prompt_column, args.answer_column)
         resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     except UsageError as e:
         fail(str(e))
@@ -232,6 +239,7 @@ def main(argv=None):
     for line in apply_memory_cap(args.gpu_memory, gpus_used):
         if is_main:
             print(line, flush=True)
+    set_cpu_threads(accelerator.device, toy_model=args.model_name_or_path is None, verbose=is_main)  # CPU: printed
     if args.debug and num_processes > 1:
         warnings.warn("--debug is meant for a single process")
     if args.max_steps < 0:
@@ -380,7 +388,12 @@ def main(argv=None):
         # 3. rewards: every function on every completion, weighted sum; gathered over processes
         with timer.phase("reward"), resident(reward_model and reward_model.model):
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            rewards_per_func = reward_utils.score_completions(reward_fns, completions, prompts, columns, home)
+            try:  # the user's code: a failure stops the run with one block (utils/cli.py)
+                rewards_per_func = reward_utils.score_completions(
+                    reward_fns, completions, prompts, columns, home, completion_ids, completion_mask, step=step,
+                    max_steps=args.max_steps, epoch=step * args.prompts_per_step / len(dataset))
+            except UserCodeError as e:
+                report_user_code_error(e, args.output_dir, rank, num_processes)
             all_rewards_per_func = accelerator.gather(rewards_per_func)  # [N, F], groups adjacent
             all_rewards = (all_rewards_per_func * reward_weights).nansum(dim=1)  # [N]
 

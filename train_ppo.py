@@ -159,8 +159,9 @@ def update_kl_coef(kl_coef, observed_kl, target_kl, num_samples, horizon):
 def check_args(args, num_processes, explicit=frozenset()):
     """Validate flags and derive per-process sizes; raises UsageError naming the flag. A
     micro-batch the user did not set shrinks to divide this process's mini-batch."""
-    from utils.cli import UsageError
+    from utils.cli import UsageError, apply_trl_generation_batch_size, apply_trl_gradient_accumulation
 
+    apply_trl_generation_batch_size(args, explicit, 1)  # TRL's name, if given: checked
     check_shared_args(args, num_processes)
     if args.critic_learning_rate is None:
         args.critic_learning_rate = args.learning_rate
@@ -188,6 +189,7 @@ def check_args(args, num_processes, explicit=frozenset()):
         raise UsageError(f"--num_mini_batches {args.num_mini_batches} does not divide the {local} completions each "
                          f"process holds per step (--prompts_per_step {args.prompts_per_step} / {num_processes} processes)")
     mini = local // args.num_mini_batches
+    apply_trl_gradient_accumulation(args, explicit, mini)  # TRL's name, if given: checked
     if mini % args.per_device_train_batch_size and "per_device_train_batch_size" not in explicit:
         args.per_device_train_batch_size = math.gcd(args.per_device_train_batch_size, mini)
     if mini % args.per_device_train_batch_size:
@@ -222,7 +224,8 @@ def main(argv=None):
     from utils import rewards as reward_utils
     from utils.base import resolve_generation_backend
     from utils.checkpoint import Checkpointer, resolve_resume
-    from utils.cli import UsageError, fail, parse_args
+    from utils.cli import (UsageError, UserCodeError, fail, parse_args, quiet_library_warnings,
+                           report_user_code_error, set_cpu_threads)
     from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
@@ -232,13 +235,15 @@ def main(argv=None):
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, compile_repeated_blocks, eos_token_ids, frozen_dtype,
                                 load_causal_lm, load_tokenizer, load_value_model, lora_kwargs, quantization_of,
-                                resolve_mixed_precision)
+                                resolve_mixed_precision, check_model_paths)
     from utils.offload import ParamOffload, enable_activation_offload, resident
     from utils.ops import (batched_completion_logprobs, completion_logprobs, completion_values, masked_sum,
                            masked_whiten, plan_micro_batches)
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
     from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
     from utils.plan import run_planner
+
+    quiet_library_warnings()  # other libraries' start-up warnings that say nothing here (utils/cli.py)
 
     # ---- 1. arguments, checked before any model loads -------------------------------------------
     try:
@@ -262,12 +267,14 @@ def main(argv=None):
             check_engine_args(args, engine, trained_roles=("actor", "critic"))
         check_attn_implementation(args.attn_implementation, accelerator.device.type == "cuda")
         check_report_to(args.report_to)
+        check_model_paths(args)  # a folder, or a hub id in the cache (or on the hub, online)
         specs, reward_fns, reward_weights = reward_utils.resolve_rewards(
             args.reward_funcs, args.reward_weights, args.reward_model_name_or_path)
         placements = resolve_placements({"actor": args.actor_device, "critic": args.critic_device,
                                          "ref": args.ref_device, "reward": args.reward_device},
                                         accelerator.device, args.offload_execution_device, num_processes)
         dataset = data_utils.load_task_dataset(args, accelerator, answer_required="accuracy" in specs)
+        reward_utils.check_reward_signatures(reward_fns, dataset.column_names, args.prompt_column, args.answer_column)
         resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
         tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.tokenizer_name_or_path)
         stop_ids = stop_token_ids(args.stop_token, tokenizer)
@@ -281,6 +288,7 @@ def main(argv=None):
     for line in apply_memory_cap(args.gpu_memory, gpus_used):
         if is_main:
             print(line, flush=True)
+    set_cpu_threads(accelerator.device, toy_model=args.model_name_or_path is None, verbose=is_main)  # CPU: printed
     if args.debug and num_processes > 1:
         warnings.warn("--debug is meant for a single process")
     if args.max_steps < 0:
@@ -451,7 +459,12 @@ def main(argv=None):
         # 3. scores: rule rewards and/or the reward model, weighted; penalty for no EOS
         with timer.phase("reward"), resident(reward_model and reward_model.model):
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            rewards_per_func = reward_utils.score_completions(reward_fns, completions, prompts, columns, home)
+            try:  # the user's code: a failure stops the run with one block (utils/cli.py)
+                rewards_per_func = reward_utils.score_completions(
+                    reward_fns, completions, prompts, columns, home, completion_ids, completion_mask, step=step,
+                    max_steps=args.max_steps, epoch=step * args.prompts_per_step / len(dataset))
+            except UserCodeError as e:
+                report_user_code_error(e, args.output_dir, rank, num_processes)
             scores = (rewards_per_func * reward_weights).nansum(dim=1)  # [B]
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * is_truncated.float()

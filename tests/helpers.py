@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def launch_two_cpu_processes(script, args, timeout=600, config=None):
-    """The launch line that really starts two CPU processes (../shared/machine-notes.md). With
+    """The launch line that really starts two CPU processes (`accelerate launch --cpu` starts one). With
     `config` (a name in accelerate_configs/), that config's launch, its engine kept on the CPU
     processes by tests/engine_on_cpu.py (accelerate keeps DeepSpeed and FSDP for accelerators)."""
     import warnings

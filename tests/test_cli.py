@@ -77,11 +77,11 @@ def test_bad_input_fails_before_models_load(argv, message, data, capsys, no_mode
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
-def test_invalid_choice_is_argparse_error(capsys):
+def test_invalid_choice_is_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         train_grpo.main(["--loss_type", "ppo"])
     assert exc.value.code == 2
-    assert "invalid choice: 'ppo'" in capsys.readouterr().err
+    assert capsys.readouterr().err == "error: --loss_type: invalid choice: 'ppo' (choose from 'grpo', 'dr_grpo', 'dapo')\n"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -105,7 +105,7 @@ def test_config_yaml_and_command_line_precedence(tmp_path):
     assert "num_generations" not in explicit
     bad = tmp_path / "bad.yaml"
     bad.write_text("loss_type: ppo\n")
-    with pytest.raises(SystemExit):  # config values get the same choice checks as flags
+    with pytest.raises(UsageError, match="invalid choice"):  # config values get the same choice checks as flags
         parse_args(train_grpo.Args, ["--config", str(bad)])
     with pytest.raises(UsageError, match="another config"):
         (tmp_path / "nested.yaml").write_text("config: x.yaml\n")
@@ -146,3 +146,97 @@ def test_presets_fit_common_process_counts(script_name, num_processes, debug_mod
     script.apply_presets(args, explicit, script.TOY_PRESET, script.DEBUG_PRESET)
     with pytest.raises(UsageError, match="--per_device_train_batch_size 48 does not divide"):
         script.check_args(args, num_processes, explicit)
+
+
+# ---- --help: grouped by section, each flag once ------------------------------------------------
+
+
+@pytest.mark.parametrize("script", [train_grpo, "train_ppo"])
+def test_every_flag_is_in_exactly_one_help_section(script):
+    import dataclasses
+    import importlib
+
+    from utils.cli import HELP_SECTIONS
+
+    script = importlib.import_module(script) if isinstance(script, str) else script
+    fields = [f.name for f in dataclasses.fields(script.Args)]
+    count = {name: sum(name in names for names in HELP_SECTIONS.values()) for name in fields}
+    missing = [name for name, n in count.items() if n == 0]
+    assert not missing, f"flags in no --help section: add each to HELP_SECTIONS in utils/cli.py: {missing}"
+    twice = [name for name, n in count.items() if n > 1]
+    assert not twice, f"flags in several --help sections of HELP_SECTIONS (utils/cli.py): {twice}"
+
+
+def test_help_sections_name_only_real_flags():
+    import dataclasses
+
+    import train_ppo
+    from utils.cli import HELP_SECTIONS
+
+    fields = {f.name for script in (train_grpo, train_ppo) for f in dataclasses.fields(script.Args)}
+    stale = [name for names in HELP_SECTIONS.values() for name in names if name not in fields]
+    assert not stale, f"HELP_SECTIONS (utils/cli.py) names flags that no script has: {stale}"
+
+
+@pytest.mark.parametrize("script_name", ["train_grpo", "train_ppo"])
+def test_help_lists_each_flag_once_algorithm_first(script_name, capsys):
+    import dataclasses
+    import importlib
+    import re
+
+    from utils.cli import TRL_ALIASES
+
+    script = importlib.import_module(script_name)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(script.Args, ["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    flags = re.findall(r"^  (--\w+)", out.split("TRL's names, accepted:", 1)[0], flags=re.M)
+    assert len(flags) == len(set(flags)), "a flag is listed twice"
+    fields = dataclasses.fields(script.Args)
+    negations = {f"--no_{f.name}" for f in fields if f.default is True}  # HfArgumentParser's --no_X for True defaults
+    assert set(flags) == {f"--{f.name}" for f in fields} | negations
+    titles = re.findall(r"^(\S[^\n]*):$", out, flags=re.M)
+    assert titles[:4] == ["options", "algorithm (this script's own flags)",
+                          "training: steps, batches, optimizer, sampling", "model"]
+    assert titles[-1] == "TRL's names, accepted"
+    trl_text = out.split("TRL's names, accepted:", 1)[1]
+    for alias, (ours, _) in TRL_ALIASES.items():  # each accepted alias once, in that section only
+        if f"--{ours}" in flags:
+            assert out.count(f"--{alias} ") + out.count(f"--{alias}\n") == 1 and f"--{alias}" in trl_text
+    assert "--use-lora" not in out  # the dash spellings are accepted, not listed
+
+
+def test_dash_spellings_and_no_abbreviations():
+    args, explicit = parse_args(train_grpo.Args, ["--learning-rate", "0.5", "--use-lora"])
+    assert args.learning_rate == 0.5 and args.use_lora and explicit == {"learning_rate", "use_lora"}
+    with pytest.raises(UsageError, match=r"^unknown flag --use_gradient_checkpointin; did you mean "
+                                         r"--use_gradient_checkpointing"):
+        parse_args(train_grpo.Args, ["--use_gradient_checkpointin"])
+    with pytest.raises(UsageError, match=r"^unknown flag --learning; did you mean --learning_rate"):
+        parse_args(train_grpo.Args, ["--learning", "1"])
+
+
+def test_negative_numbers_are_values():
+    args, _ = parse_args(train_grpo.Args, ["--learning_rate", "-1e-3", "--max_steps", "-1", "--reward_weights",
+                                           "1", "-0.5"])
+    assert args.learning_rate == -1e-3 and args.max_steps == -1 and args.reward_weights == "1,-0.5"
+    with pytest.raises(UsageError, match=r"--learning_rate must be > 0 \(got -0.001\)"):
+        train_grpo.check_args(args, 1)
+
+
+def test_readme_flag_rows_name_real_flags_or_trl_aliases():
+    """README and --help agree: every `--flag` row of the README's tables is a flag of a script or a
+    TRL name that the parser accepts (tests/test_readme.py checks the other direction)."""
+    import dataclasses
+    import os
+    import re
+
+    import train_ppo
+    from helpers import ROOT
+    from utils.cli import TRL_ALIASES
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = set(re.findall(r"^\| `--(\w+)` \|", f.read(), flags=re.M))
+    known = {f.name for script in (train_grpo, train_ppo) for f in dataclasses.fields(script.Args)} | set(TRL_ALIASES)
+    assert not rows - known, f"README rows for flags that no script has: {sorted(rows - known)}"

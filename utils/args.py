@@ -141,6 +141,22 @@ def check_shared_args(args, num_processes=1):
     check_memory_args(args, num_processes)
     if args.save_total_limit is not None and args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit must be at least 1 (got {args.save_total_limit})")
+    check_output_dir(args.output_dir)
+
+
+def check_output_dir(path):
+    """--output_dir must be a folder, or creatable: its nearest existing ancestor a writable folder."""
+    import os
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--output_dir {path}: is a file; give a folder (created if missing)")
+    ancestor = os.path.abspath(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"--output_dir {path}: {ancestor} is a file, so the folder cannot be created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"--output_dir {path}: {ancestor} is not writable (permission denied)")
 
 
 def check_memory_args(args, num_processes=1):

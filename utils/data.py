@@ -28,6 +28,9 @@ def load_prompt_dataset(name, config=None, split="train"):
                 )
             if os.path.getsize(name) == 0:
                 raise UsageError(f"dataset {name} is empty (0 rows)")
+            if split != "train":
+                raise UsageError(f"--dataset_split {split}: a local {ext} file has one split, train; give "
+                                 "--dataset_split train, or a folder (or hub dataset) that has that split")
             try:
                 return datasets.load_dataset(LOCAL_FORMATS[ext], data_files=name, split="train")
             except ValueError as e:
@@ -60,6 +63,35 @@ def check_columns(dataset, prompt_column, answer_column, answer_required, source
             f"--answer_column {answer_column}: no such column in {source} (the accuracy reward needs it); "
             f"columns are {', '.join(columns)}"
         )
+    check_prompts_are_text(dataset, prompt_column, source)
+
+
+def check_prompts_are_text(dataset, prompt_column, source):
+    """Prompts must be text or chat messages (TRL's conversational format); a column of numbers or
+    of token-id lists is refused rather than turned into text. Reads the column's type, and
+    checks the first rows' values for columns that hold lists."""
+    import datasets
+    from trl.data_utils import is_conversational
+
+    feature = dataset.features[prompt_column]
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        return
+    for row in range(min(len(dataset), 8)):
+        value = dataset[row][prompt_column]
+        if not (isinstance(value, str) or is_conversational({"prompt": value})):
+            shown = repr(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise UsageError(f"--prompt_column {prompt_column}: row {row} of {source} holds {shown} "
+                             f"({_describe(feature)}); prompts must be text or a list of chat messages "
+                             '([{"role": "user", "content": ...}])')
+
+
+def _describe(feature) -> str:
+    """`a column of int64`, `a column of lists of int64`, ... from a datasets feature."""
+    kind = ""
+    while getattr(feature, "feature", None) is not None:  # List / Sequence
+        kind, feature = kind + "lists of ", feature.feature
+    return f"a column of {kind}{getattr(feature, 'dtype', None) or type(feature).__name__}"
 
 
 def load_task_dataset(args, accelerator, answer_required):
@@ -97,10 +129,13 @@ def render_prompt(prompt, tokenizer, use_chat_template, system_prompt=None) -> s
     """The text the model sees: the chat template applied to a user turn (or to the given list
     of messages), with the generation prompt; or the raw text."""
     if use_chat_template:
+        from trl.data_utils import apply_chat_template
+
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}] + messages
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # TRL's rendering: the generation prompt after a user turn, or the assistant's turn continued
+        return apply_chat_template({"prompt": messages}, tokenizer)["prompt"]
     if isinstance(prompt, list):
         prompt = "\n".join(m["content"] for m in prompt)
     return (system_prompt + "\n" if system_prompt else "") + str(prompt)

@@ -1,7 +1,9 @@
 """Loading models and tokenizers: hub ids or local folders through `from_pretrained`, or the
 embedded tiny model when no path is given."""
 
+import difflib
 import importlib.util
+import os
 from contextlib import contextmanager
 
 import torch
@@ -35,6 +37,71 @@ def check_attn_implementation(name: str, on_cuda: bool):
         )
     if not on_cuda:
         raise UsageError("--attn_implementation flash_attention_2 needs a CUDA GPU; use sdpa on CPU")
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _cached_repos() -> list:
+    from huggingface_hub import constants
+
+    try:
+        names = os.listdir(constants.HF_HUB_CACHE)
+    except OSError:
+        return []
+    return sorted(n[len("models--"):].replace("--", "/") for n in names if n.startswith("models--"))
+
+
+def check_model_path(path, flag, files=("config.json", "adapter_config.json")):
+    """A model path must be a folder holding one of `files`, or a hub id that is in the local
+    cache or, online, on the hub; else one line naming the flag (before anything loads, and
+    without transformers' retries when the hub cannot be reached)."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        if files and not any(os.path.isfile(os.path.join(path, f)) for f in files):
+            raise UsageError(f"{flag} {path}: the folder has no {' or '.join(files)} (not a saved model)")
+        return
+    if os.path.exists(path):
+        raise UsageError(f"{flag} {path}: is a file; give a model folder or a hub id (org/name)")
+    looks_local = path.startswith((os.sep, ".", "~")) or path.count("/") > 1 or path.endswith("/")
+    from huggingface_hub import model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        looks_local = True
+    if looks_local:
+        raise UsageError(f"{flag} {path}: folder does not exist")
+    for name in ("config.json", "tokenizer_config.json", "adapter_config.json"):
+        if isinstance(try_to_load_from_cache(path, name), str):
+            return  # in the local cache
+    close = difflib.get_close_matches(path, _cached_repos(), n=1)
+    hint = f" (cached: {close[0]}?)" if close else ""
+    if _offline():
+        raise UsageError(f"{flag} {path}: no such folder, and not in the offline cache (HF_HUB_OFFLINE=1){hint}")
+    try:
+        model_info(path, timeout=10)
+    except GatedRepoError:
+        return  # from_pretrained says what to do (log in, accept the terms)
+    except RepositoryNotFoundError:
+        raise UsageError(f"{flag} {path}: no such folder, and no such model on the hub (or it is private: "
+                         f"`huggingface-cli login`){hint}") from None
+    except Exception as e:  # no network, DNS, timeout: from_pretrained would retry for a minute
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"{flag} {path}: no such folder, not in the local cache, and the hub cannot be reached "
+                         f"({type(e).__name__}: {reason}){hint}; download it first or set HF_HUB_OFFLINE=1") from None
+
+
+def check_model_paths(args):
+    """Every model and tokenizer path the flags name (check_model_path), before any model loads."""
+    check_model_path(args.model_name_or_path, "--model_name_or_path")
+    check_model_path(args.tokenizer_name_or_path, "--tokenizer_name_or_path", files=())
+    check_model_path(args.reward_model_name_or_path, "--reward_model_name_or_path")
+    check_model_path(getattr(args, "critic_model_name_or_path", None), "--critic_model_name_or_path")
 
 
 def check_same_vocabulary(path, flag, tokenizer, trust_remote_code=False):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from utils.base import (CAPTURED_BACKENDS, GIB, own_gpus, parse_memory, resolve_generation_backend,  # noqa: F401
                         static_cache_len)
 
-# the workload shapes (../shared/workloads.md); benchmarks/memory.py builds its models from these
+# the workload shapes (benchmarks/README.md); benchmarks/memory.py builds its models from these
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),

@@ -5,7 +5,7 @@ verifiable reward, so that the scripts run offline on a CPU in minutes.
   with <pad>, <eos> and <unk>. Any text round-trips, so user datasets also work with it.
 - Model: a Llama-architecture decoder of about 0.1M parameters with random weights, seeded.
   (Llama rather than Qwen2: transformers maps a saved Qwen2 folder to Qwen2Tokenizer, which
-  drops the spaces of this character tokenizer; see ../shared/machine-notes.md.)
+  drops the spaces of this character tokenizer.)
 - Task: prompts `3+4=`, answers `7` (both operands 0..4). The built-in `accuracy` reward grades
   it exactly as it grades GSM8K: the last number in the completion must equal the answer.
 """
