@@ -265,6 +265,19 @@ def test_placement_moves_frozen_roles_and_the_critic_to_other_gpus_first():
     assert set(final["other_gpus"]) == {"cuda:1", "cuda:2", "cuda:3"} and "critic_update" not in final["phases"]
 
 
+def test_planner_cli_answers_an_unknown_shape_in_one_line_and_lists_the_shapes(capsys):
+    from utils.plan import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "qwen2.5-70b", "--gpu_memory", "24GB"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("error: model 'qwen2.5-70b': not a "
+                                                                         "workload shape (tiny, qwen2.5-0.5b"), err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "qwen2.5-7b" in capsys.readouterr().out
+
+
 def test_planner_cli_refuses_non_positive_counts(capsys):
     from utils.plan import main
 

@@ -110,6 +110,13 @@ def load_shape(model) -> Shape:
     if os.path.sep in model and not os.path.isdir(model):
         raise ValueError(f"model {model!r}: no such folder; expected a workload shape ({', '.join(SHAPES)}), a local "
                          "folder with a config.json or a hub id")
+    if not os.path.isdir(model):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
+        if not cached and ("/" not in model or os.environ.get("HF_HUB_OFFLINE") == "1"):
+            raise ValueError(f"model {model!r}: not a workload shape ({', '.join(SHAPES)}), a local folder or a hub "
+                             "id in the local cache")
     try:
         config = AutoConfig.from_pretrained(model)
     except Exception as e:  # transformers' chained errors: one line for the user
@@ -1027,12 +1034,13 @@ def main(argv=None):
     workload = (WORKLOAD_GRPO if opts.algo == "grpo" else WORKLOAD_PPO) if opts.workload else []
     base = workload + script_argv
     base = base if any(a == "--model_name_or_path" for a in base) else base + ["--model_name_or_path", opts.model]
-    args, explicit = script_args(opts.algo, base, with_explicit=True)
     try:
         shape = load_shape(opts.model)
         gpu_bytes = parse_memory(opts.gpu_memory) if opts.gpu_memory else None
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # one line, as the scripts answer bad input
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    args, explicit = script_args(opts.algo, base, with_explicit=True)
     import torch
 
     if gpu_bytes is None:
