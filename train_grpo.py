@@ -34,6 +34,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+# SIGTERM/SIGINT from the first second on: during setup the run stops at once (exit 1: nothing trained,
+# nothing saved); once steps run, the current step finishes and is saved first (exit 128 + signal)
+if __name__ == "__main__":
+    from utils.checkpoint import StopSignal
+
+    StopSignal.install()
+
 # CUDA allocator: segments that grow in place instead of new blocks per size, so memory freed by
 # one phase (KV cache, logits) is reused by the next instead of fragmenting; set before CUDA starts.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -222,7 +229,7 @@ def main(argv=None):
                                          "reward": args.reward_device}, accelerator.device,
                                         args.offload_execution_device, num_processes)
         dataset = data_utils.load_task_dataset(args, accelerator, answer_required="accuracy" in specs)
-        resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+        resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir, accelerator)  # verified
     except UsageError as e:
         fail(str(e))
     if args.debug and num_processes > 1:
@@ -292,11 +299,15 @@ def main(argv=None):
     encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, args.use_chat_template,
                                             args.system_prompt)
     checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit,
-                                enabled=args.save_strategy != "no")
-    state = checkpointer.start(resume_path)
+                                enabled=args.save_strategy != "no", save_on_error=args.save_on_error)
+    state = checkpointer.start(resume_path, {"total_skipped": 0, "skipped_in_a_row": 0},
+                               data_position={"seed": args.seed, "prompts_per_step": args.prompts_per_step,
+                                              "dataset_rows": len(dataset)})
     start_step = state.get("step", 0)
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
-    logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
+    guard.in_a_row = state["skipped_in_a_row"]
+    logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args),
+                           start_step=start_step)
     timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
     roles = {"actor": (model, optimizer), "ref": (ref_model, None),
              "reward": (reward_model and reward_model.model, None)}
@@ -324,6 +335,7 @@ def main(argv=None):
                     disable=not is_main, desc="grpo", dynamic_ncols=True,
                     mininterval=0.5 if sys.stderr.isatty() else 30)
     for step in progress:
+        checkpointer.begin_step(step)  # the RNG states a save after a failure in this step must hold
         timer.reset()
         snapshot.begin()
         oom.step = step + 1
@@ -367,7 +379,8 @@ def main(argv=None):
         # 3. rewards: every function on every completion, weighted sum; gathered over processes
         with timer.phase("reward"), resident(reward_model and reward_model.model):
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            rewards_per_func = reward_utils.score_completions(reward_fns, completions, prompts, columns, home)
+            with checkpointer.user_code():  # fails: the last finished step is saved, then exit 1
+                rewards_per_func = reward_utils.score_completions(reward_fns, completions, prompts, columns, home)
             all_rewards_per_func = accelerator.gather(rewards_per_func)  # [N, F], groups adjacent
             all_rewards = (all_rewards_per_func * reward_weights).nansum(dim=1)  # [N]
 
@@ -458,14 +471,15 @@ def main(argv=None):
         tracker.after_step(step + 1, timer.metrics)  # --log_memory_every: the per-role table
 
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)
-        signum = checkpointer.after_step(step + 1, args.max_steps, {"total_skipped": guard.total})
+        signum = checkpointer.after_step(step + 1, args.max_steps,
+                                         {"total_skipped": guard.total, "skipped_in_a_row": guard.in_a_row})
         if signum:
             logger.close()
             sys.exit(128 + signum)
 
     # ---- 4. the end: last checkpoint, final model, replicas checked -----------------------------------
     progress.close()
-    checkpointer.save(args.max_steps, {"total_skipped": guard.total})
+    checkpointer.save(args.max_steps, {"total_skipped": guard.total, "skipped_in_a_row": guard.in_a_row})
     final_dir = checkpointer.save_model(model, tokenizer)  # None with --save_strategy no
     if replicas_comparable(engine):  # every rank holds the whole model: all must be equal
         check_replicas_in_sync(accelerator, model)

@@ -14,6 +14,11 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2, no traceback."""
 
 
+class UserCodeError(Exception):
+    """The user's code (a reward function, a reward model) failed mid-step. Its message is the
+    whole report; the training loop saves the last finished step first (--save_on_error)."""
+
+
 def fail(message: str, code: int = 2):
     """Print `error: message` on stderr (once per machine in multi-process runs) and exit."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
