@@ -67,8 +67,9 @@ def _files_under(folder):
     return sorted(n for n in names if n != MANIFEST)
 
 
-def _blocks(size):
-    return [(offset, min(BLOCK_BYTES, size - offset)) for offset in range(0, size, BLOCK_BYTES)] or [(0, 0)]
+def _blocks(size, block_bytes=None):
+    block_bytes = block_bytes or BLOCK_BYTES
+    return [(offset, min(block_bytes, size - offset)) for offset in range(0, size, block_bytes)] or [(0, 0)]
 
 
 def _crc_of_block(path, offset, length, sync=False):
@@ -101,13 +102,14 @@ def _all_ranks(accelerator, obj):
     return out
 
 
-def _checksums(folder, sizes, accelerator=None, sync=False, progress=None):
+def _checksums(folder, sizes, accelerator=None, sync=False, progress=None, block_bytes=None):
     """{name: [crc32 per block]} for the files of `sizes` ({name: size}); each rank computes
     every num_processes-th block, in threads, and all ranks get the whole result."""
     from concurrent.futures import ThreadPoolExecutor
 
     rank, world = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
-    tasks = [(name, i, offset, length) for name in sorted(sizes) for i, (offset, length) in enumerate(_blocks(sizes[name]))]
+    tasks = [(name, i, offset, length) for name in sorted(sizes)
+             for i, (offset, length) in enumerate(_blocks(sizes[name], block_bytes))]
     mine = tasks[rank::world]
     threads = max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
@@ -127,7 +129,7 @@ def _checksums(folder, sizes, accelerator=None, sync=False, progress=None):
     errors = [e for _, e in parts if e]
     if errors:
         raise ReadError(errors[0])
-    crcs = {name: [None] * len(_blocks(sizes[name])) for name in sizes}
+    crcs = {name: [None] * len(_blocks(sizes[name], block_bytes)) for name in sizes}
     for part, _ in parts:
         for name, i, crc in part:
             crcs[name][i] = crc
@@ -148,13 +150,19 @@ def _layout(accelerator):
             "schedulers": len(accelerator._schedulers), "custom_objects": len(accelerator._custom_objects)}
 
 
+def _own_crc(manifest):
+    return zlib.crc32(json.dumps({k: v for k, v in manifest.items() if k != "manifest_crc32"},
+                                 sort_keys=True).encode())
+
+
 def read_manifest(path):
     manifest_path = os.path.join(path, MANIFEST)
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
-        manifest["files"], manifest["num_processes"]  # noqa: B018 - the keys every manifest has
-    except (ValueError, KeyError, TypeError):
+        if manifest["manifest_crc32"] != _own_crc(manifest):
+            raise CheckpointError(f"{manifest_path} is damaged (its own checksum does not match)")
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{manifest_path} is damaged (not a complete manifest)")
     return manifest
 
@@ -201,7 +209,7 @@ def verify_checkpoint(path, num_processes, accelerator=None):
 
         progress = tqdm(total=total, unit="B", unit_scale=True, desc=f"checking {os.path.basename(path)}")
     try:
-        crcs = _checksums(path, sizes, accelerator, progress=progress)
+        crcs = _checksums(path, sizes, accelerator, progress=progress, block_bytes=manifest["block_bytes"])
     except ReadError as e:
         raise CheckpointError(f"{path}: cannot be read: {e}")
     if progress is not None:
@@ -209,7 +217,7 @@ def verify_checkpoint(path, num_processes, accelerator=None):
     for name in sorted(files):
         for i, (expected, got) in enumerate(zip(files[name]["crc32"], crcs[name])):
             if expected != got:
-                offset, length = _blocks(sizes[name])[i]
+                offset, length = _blocks(sizes[name], manifest["block_bytes"])[i]
                 raise CheckpointError(f"{os.path.join(path, name)}: bytes {offset}-{offset + length - 1} do not match "
                                       "their checksum (the file was damaged after it was saved)")
 
@@ -267,9 +275,10 @@ def _verify_without_manifest(path, num_processes):
     rng_files = sorted(n for n in names if re.fullmatch(r"random_states_\d+\.pkl", n))
     for r in range(num_processes):
         if RNG_FILE.format(r) not in names:
-            raise CheckpointError(f"{os.path.join(path, RNG_FILE.format(r))} is missing (rank {r}'s RNG states)")
+            raise CheckpointError(f"{os.path.join(path, RNG_FILE.format(r))} is missing (rank {r}'s RNG states; "
+                                  "deleted, or saved by fewer processes)")
     if len(rng_files) != num_processes:
-        raise CheckpointError(f"{path} was saved by {len(rng_files)} processes and this run has {num_processes}: "
+        raise CheckpointError(f"{path} was saved by {len(rng_files)} process(es) and this run has {num_processes}: "
                               f"launch {len(rng_files)}")
     models = [n for n in names if re.fullmatch(r"(model|pytorch_model)(_\d+)?\.(safetensors|bin)", n)]
     optimizers = [n for n in names if re.fullmatch(r"optimizer(_\d+)?\.bin", n)]
@@ -498,6 +507,7 @@ def save_checkpoint(accelerator, output_dir, step, trainer_state, save_total_lim
         manifest = {"format": 1, "step": step, "num_processes": accelerator.num_processes,
                     "layout": _layout(accelerator), "checksum": "crc32", "block_bytes": BLOCK_BYTES,
                     "files": {name: {"size": sizes[name], "crc32": crcs[name]} for name in sorted(sizes)}}
+        manifest["manifest_crc32"] = _own_crc(manifest)
         _fsync_dir(tmp)
         _write_json(os.path.join(tmp, MANIFEST), manifest)
         _testing_faults("manifest_written", step, tmp)
@@ -666,7 +676,9 @@ class Checkpointer:
 
     def _exit(self, code, message, file=sys.stderr):
         if self.accelerator.is_main_process:
-            print(message, file=file, flush=True)
+            from tqdm.auto import tqdm
+
+            tqdm.write(message, file=file)  # on a line of its own, not after the progress bar
         self.accelerator.end_training()  # trackers closed, the process group torn down
         sys.exit(code)
 
@@ -791,12 +803,14 @@ class Checkpointer:
         import traceback
 
         if error is not None:
+            from tqdm.auto import tqdm
+
             report = str(error)
             cause = error.__cause__
             if cause is not None and "Traceback" not in report:  # the user's own traceback, kept
-                report = "".join(traceback.format_exception(cause)) + report
+                tqdm.write("".join(traceback.format_exception(cause)).rstrip(), file=sys.stderr)
             prefix = f"[rank {self.accelerator.process_index}] " if self.accelerator.num_processes > 1 else ""
-            print(f"{prefix}error: {report}", file=sys.stderr, flush=True)
+            tqdm.write(f"{prefix}error: {report}", file=sys.stderr)
         done = self.step  # finished steps
         if not self.enabled or not self.save_on_error:
             newest = newest_complete(self.output_dir) if self.enabled else None
