@@ -72,7 +72,8 @@ def assert_resumes_exactly(reference, out, script="train_grpo.py", args=GRPO, ke
     every metrics step once with the reference's values."""
     expected_start = newest_with_manifest(out) if expected_start is None else expected_start
     steps = int(args[args.index("--max_steps") + 1])
-    resumed = run_script([*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"], script=script, env=env)
+    resumed = run_script([*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"], script=script,
+                         env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     assert f"steps {expected_start}->{steps}" in resumed.stdout
@@ -90,42 +91,47 @@ _rng = random.Random(21)
 RANDOM_KILLS = [(_rng.randint(1, 5), round(_rng.uniform(0.0, 0.3), 3)) for _ in range(2)]  # (after step, delay s)
 
 
-@pytest.mark.parametrize("after_step,delay", RANDOM_KILLS)
-def test_kill_9_at_a_random_point_then_resume_is_exact(grpo_reference, tmp_path, after_step, delay):
+def test_kill_9_at_random_points_then_resume_is_exact(grpo_reference, tmp_path):
+    """Killed at a seeded point, resumed and killed again at another, then resumed to the end; with
+    TensorBoard, which must hold each step once too."""
     import time
 
+    out, args = tmp_path / "run", [*GRPO, "--report_to", "tensorboard"]
+    for i, (after_step, delay) in enumerate(RANDOM_KILLS):
+        resume = ["--resume_from_checkpoint", "latest"] if i and newest_with_manifest(out) else []
+        proc = start([*args, *resume], out)
+        wait_for_step(proc, after_step)
+        time.sleep(delay)
+        proc.kill()
+        finish(proc, out)
+    assert_resumes_exactly(grpo_reference, out, args=args)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "lean-rl-grpo"))  # every run's event file: the later ones purge
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == list(range(1, 7))
+
+
+def test_kill_9_inside_the_save_then_resume_is_exact(grpo_reference, tmp_path):
+    """Killed inside a save, resumed and killed inside the next, ..., then resumed to the end."""
     out = tmp_path / "run"
-    tensorboard = ["--report_to", "tensorboard"] if (after_step, delay) == RANDOM_KILLS[0] else []
-    proc = start([*GRPO, *tensorboard], out)
-    wait_for_step(proc, after_step)
-    time.sleep(delay)
-    proc.kill()
-    finish(proc, out)
-    assert_resumes_exactly(grpo_reference, out, args=[*GRPO, *tensorboard])
-    if tensorboard:  # the tracker, too, holds each step once (the resumed run purges what followed its checkpoint)
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        events = EventAccumulator(str(out / "lean-rl-grpo"))
-        events.Reload()
-        assert [e.step for e in events.Scalars("reward/mean")] == list(range(1, 7))
-
-
-@pytest.mark.parametrize("point,step,resumes_from", [
-    ("state_written", 4, 2),  # accelerate's files written, no manifest: the .tmp folder is never trusted
-    ("manifest_written", 4, 2),  # complete but not renamed into place
-    ("renamed", 4, 4),  # in place, older ones not pruned yet
-    ("pruning", 6, 6),  # checkpoint-2 renamed away, not yet deleted
-])
-def test_kill_9_inside_the_save_then_resume_is_exact(grpo_reference, tmp_path, point, step, resumes_from):
-    out = tmp_path / "run"
-    proc = start(GRPO, out, env={"LEAN_RL_KILL_AT": f"{point}:{step}"})
-    code, _, _ = finish(proc, out)
-    assert code == -signal.SIGKILL
-    assert newest_with_manifest(out) == resumes_from
-    leftovers = [n for n in os.listdir(out) if n.endswith((".tmp", ".deleting"))]
+    leftovers = []
+    for i, (point, step, newest) in enumerate([
+        ("state_written", 4, 2),  # accelerate's files written, no manifest: the .tmp folder is never trusted
+        ("manifest_written", 4, 2),  # complete but not renamed into place
+        ("renamed", 4, 4),  # in place, older ones not pruned yet
+        ("pruning", 6, 6),  # checkpoint-2 renamed away, not yet deleted
+    ]):
+        resume = ["--resume_from_checkpoint", "latest"] if i else []
+        code, stdout, stderr = finish(start([*GRPO, *resume], out, env={"LEAN_RL_KILL_AT": f"{point}:{step}"}), out)
+        assert code == -signal.SIGKILL and "Traceback" not in stderr, stderr[-3000:]
+        if leftovers:  # left by the previous kill, removed when this run started
+            assert f"removed {', '.join(leftovers)}" in stdout
+        assert newest_with_manifest(out) == newest, point
+        leftovers = sorted(n for n in os.listdir(out) if n.endswith((".tmp", ".deleting")))
+    assert leftovers == ["checkpoint-2.deleting"]
     resumed = assert_resumes_exactly(grpo_reference, out)
-    if leftovers:
-        assert f"removed {', '.join(leftovers)}" in resumed.stdout
+    assert "removed checkpoint-2.deleting" in resumed.stdout
     assert not [n for n in os.listdir(out) if n.endswith((".tmp", ".deleting"))]
 
 
@@ -213,7 +219,8 @@ def test_a_checkpoint_without_a_manifest_resumes_exactly(grpo_reference, tmp_pat
     (out / "checkpoint-4" / "trainer_state.json").write_text(json.dumps({"total_skipped": 0, "step": 4}))
     resumed = run_script([*GRPO, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-4")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "has no manifest.json (saved by an earlier version): its files were checked by their structure" in resumed.stderr
+    assert "has no manifest.json (saved by an earlier version): its files were checked by their structure" \
+        in resumed.stderr
     assert_same_weights(grpo_reference / "final", out / "final")
 
 
@@ -231,11 +238,51 @@ def test_damaged_latest_is_skipped_and_a_named_one_stops_the_run(grpo_reference,
     assert "warning: skipping a damaged checkpoint: " in resumed.stderr and "random_states_0.pkl" in resumed.stderr
 
 
-def test_resume_with_another_process_count_or_seed_is_refused(grpo_reference, tmp_path):
+def test_resume_with_another_seed_or_script_is_refused(grpo_reference, tmp_path):
     result = run_script([*GRPO, "--seed", "7", "--output_dir", str(tmp_path / "run"),
                          "--resume_from_checkpoint", str(grpo_reference / "checkpoint-4")])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "saved with seed 42 and this run has 7" in result.stderr
+    import torch
+    from accelerate import Accelerator
+
+    from utils import toy
+    from utils.checkpoint import CheckpointError, load_checkpoint
+
+    accelerator = Accelerator(cpu=True)  # PPO's layout: two trained models
+    models = [toy.build_model(toy.build_tokenizer()) for _ in range(2)]
+    accelerator.prepare(*models, *[torch.optim.AdamW(m.parameters()) for m in models])
+    with pytest.raises(CheckpointError, match="it holds 1 models, 1 optimizers, 0 schedulers, 1 custom_objects and "
+                                              "this run has 2 models, 2 optimizers, 0 schedulers, 0 custom_objects"):
+        load_checkpoint(accelerator, str(grpo_reference / "checkpoint-4"))
+
+
+def test_metrics_are_strict_json_and_a_resume_drops_the_rows_past_its_step(tmp_path, capsys):
+    from accelerate import Accelerator
+
+    from utils.logger import MetricsLogger
+
+    accelerator = Accelerator(cpu=True)
+    logger = MetricsLogger(accelerator, str(tmp_path), "none", "run", {})
+    for step in (1, 2, 3):
+        logger.log({"reward/mean": float("nan") if step == 2 else 0.5, "optim/grad_norm": float("inf")}, step)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # cut short by a kill -9
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line, parse_constant=refuse) for line in f if line.endswith("}\n")]
+    assert rows[1] == {"step": 2, "reward/mean": None, "optim/grad_norm": None}
+    MetricsLogger(accelerator, str(tmp_path), "none", "run", {}, start_step=2)  # resumed from checkpoint-2
+    assert [r["step"] for r in metrics_of(tmp_path)] == [1, 2]
+    os.remove(tmp_path / "metrics.jsonl")
+    os.mkdir(tmp_path / "metrics.jsonl")  # a write that fails (here: EISDIR)
+    with pytest.raises(SystemExit) as stop:
+        MetricsLogger(accelerator, str(tmp_path), "none", "run", {})
+    assert stop.value.code == 1
+    assert f"error: could not write {tmp_path / 'metrics.jsonl'}: [Errno 21] Is a directory" in capsys.readouterr().err
 
 
 # ---- a full disk, a permission error -------------------------------------------------------------------

@@ -102,6 +102,10 @@ def _all_ranks(accelerator, obj):
     return out
 
 
+class ReadError(Exception):
+    """A checkpoint file that could not be read back (one line, with the errno)."""
+
+
 def _checksums(folder, sizes, accelerator=None, sync=False, progress=None, block_bytes=None):
     """{name: [crc32 per block]} for the files of `sizes` ({name: size}); each rank computes
     every num_processes-th block, in threads, and all ranks get the whole result."""
@@ -136,9 +140,6 @@ def _checksums(folder, sizes, accelerator=None, sync=False, progress=None, block
     return crcs
 
 
-class ReadError(Exception):
-    """A checkpoint file that could not be read back (one line, with the errno)."""
-
 
 # ----------------------------------------------------------------------------------------------
 # Verifying a checkpoint before it is trusted
@@ -171,7 +172,8 @@ def verify_checkpoint(path, num_processes, accelerator=None):
     """Raise CheckpointError (one line: which file, what is wrong) unless `path` is a complete
     checkpoint that `num_processes` processes can resume from exactly. Every rank of `accelerator`
     calls it and gets the same answer."""
-    has_manifest, has_state = os.path.isfile(os.path.join(path, MANIFEST)), os.path.isfile(os.path.join(path, STATE_FILE))
+    has_manifest = os.path.isfile(os.path.join(path, MANIFEST))
+    has_state = os.path.isfile(os.path.join(path, STATE_FILE))
     if not has_manifest and not has_state:
         raise CheckpointError(f"{path} has no {MANIFEST}: an interrupted save, not a checkpoint")
     if not has_manifest:
@@ -200,7 +202,8 @@ def verify_checkpoint(path, num_processes, accelerator=None):
             raise CheckpointError(f"{file_path} is missing")
         size = os.path.getsize(file_path)
         if size != entry["size"]:
-            raise CheckpointError(f"{file_path} is {size} bytes, its manifest says {entry['size']} (truncated or changed)")
+            raise CheckpointError(f"{file_path} is {size} bytes, its manifest says {entry['size']} "
+                                  "(truncated or changed)")
         sizes[name] = size
     progress = None
     total = sum(sizes.values())
@@ -270,8 +273,8 @@ def _verify_without_manifest(path, num_processes):
             except ValueError:
                 raise CheckpointError(f"{file_path} is not valid JSON (truncated or empty)")
         else:
-            raise CheckpointError(f"{path} has no {MANIFEST} (saved by an earlier version) and {name} cannot be checked "
-                                  "without one; resume from a checkpoint with a manifest")
+            raise CheckpointError(f"{path} has no {MANIFEST} (saved by an earlier version) and {name} cannot be "
+                                  "checked without one; resume from a checkpoint with a manifest")
     rng_files = sorted(n for n in names if re.fullmatch(r"random_states_\d+\.pkl", n))
     for r in range(num_processes):
         if RNG_FILE.format(r) not in names:
@@ -284,8 +287,8 @@ def _verify_without_manifest(path, num_processes):
     optimizers = [n for n in names if re.fullmatch(r"optimizer(_\d+)?\.bin", n)]
     schedulers = [n for n in names if re.fullmatch(r"custom_checkpoint_\d+\.pkl", n)]
     if not models or len(optimizers) != len(models) or len(schedulers) != len(models):
-        raise CheckpointError(f"{path}: {len(models)} model, {len(optimizers)} optimizer and {len(schedulers)} scheduler "
-                              "files; each trained model needs all three (one was deleted?)")
+        raise CheckpointError(f"{path}: {len(models)} model, {len(optimizers)} optimizer and {len(schedulers)} "
+                              "scheduler files; each trained model needs all three (one was deleted?)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,14 +380,11 @@ def _testing_faults(point, step, folder):
         os.kill(os.getpid(), signal.SIGKILL)
     fake = os.environ.get("LEAN_RL_FAKE_SAVE_ERROR", "")
     if point == "state_written" and fake.endswith(f":{step}") and os.environ.get("LOCAL_RANK", "0") == "0":
-        import errno
-
         code = int(fake.split(":")[0])
         victim = os.path.join(folder, "optimizer.bin")
         if os.path.isfile(victim):
             os.truncate(victim, os.path.getsize(victim) // 2)
-        raise OSError(code, f"{os.strerror(code)} (injected by LEAN_RL_FAKE_SAVE_ERROR)", victim) if code != errno.EACCES \
-            else PermissionError(code, f"{os.strerror(code)} (injected by LEAN_RL_FAKE_SAVE_ERROR)", victim)
+        raise OSError(code, f"{os.strerror(code)} (injected by LEAN_RL_FAKE_SAVE_ERROR)", victim)  # 13: PermissionError
 
 
 def _newest_file(folder):
@@ -533,8 +533,11 @@ def load_checkpoint(accelerator, path):
 
     manifest = read_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
     if manifest is not None and manifest.get("layout") != _layout(accelerator):
-        raise CheckpointError(f"{path} holds {manifest.get('layout')} and this run has {_layout(accelerator)}: "
-                              "it was saved by another script or setup")
+        def counts(layout):
+            return ", ".join(f"{v} {k}" for k, v in layout.items())
+
+        raise CheckpointError(f"it holds {counts(manifest.get('layout', {}))} and this run has "
+                              f"{counts(_layout(accelerator))}: saved by the other script or another setup")
     accelerator.load_state(path)
     # accelerate skips RNG states it cannot load without a word: check they came back
     states = torch.load(os.path.join(path, RNG_FILE.format(accelerator.process_index)), weights_only=False)
@@ -542,10 +545,11 @@ def load_checkpoint(accelerator, path):
     if torch.cuda.is_available():
         if "torch_cuda_manual_seed" not in states:
             raise CheckpointError(f"{path} was saved without CUDA RNG states (on a CPU) and this run samples on CUDA")
-        restored &= all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), states["torch_cuda_manual_seed"]))
+        restored &= all(torch.equal(a, b)
+                        for a, b in zip(torch.cuda.get_rng_state_all(), states["torch_cuda_manual_seed"]))
     if not restored:
-        raise CheckpointError(f"{os.path.join(path, RNG_FILE.format(accelerator.process_index))}: the RNG states did not "
-                              "load")
+        rng_file = os.path.join(path, RNG_FILE.format(accelerator.process_index))
+        raise CheckpointError(f"{rng_file}: the RNG states did not load")
     with open(os.path.join(path, STATE_FILE)) as f:
         return json.load(f)
 
@@ -612,7 +616,8 @@ class StopSignal:
                  "the newest complete checkpoint is kept", file=sys.stderr)
             sys.exit(1)
         self.signum = signum
-        _say(f"received signal {signum}: finishing this step, then saving (a second signal stops at once)", file=sys.stderr)
+        _say(f"received signal {signum}: finishing this step, then saving (a second signal stops at once)",
+             file=sys.stderr)
 
     def requested(self, accelerator) -> int:
         """The signal number if any rank received one, else 0 (one tiny all-reduce per step)."""
@@ -714,8 +719,8 @@ class Checkpointer:
             saved = state.get("data_position", self.data_position)  # absent: saved before it was recorded
             for key, value in self.data_position.items():
                 if key in saved and saved[key] != value:
-                    fail(f"--resume_from_checkpoint {resume_path}: it was saved with {key} {saved[key]} and this run has "
-                         f"{value}; the data order depends on it, so the run would not continue where it stopped")
+                    fail(f"--resume_from_checkpoint {resume_path}: it was saved with {key} {saved[key]} and this run "
+                         f"has {value}; the data order depends on it, so the run would not continue where it stopped")
             self.saved_step = state["step"]
         elif self.accelerator.is_main_process and list_checkpoints(self.output_dir):
             import warnings
@@ -818,7 +823,7 @@ class Checkpointer:
             self._exit(1, f"step {done + 1} failed in user code; nothing saved ({why})"
                           + (f"; the newest complete checkpoint: {newest}" if newest else ""))
         if done == 0:
-            self._exit(1, f"step 1 failed in user code; nothing saved (no step had finished); fix it and start again")
+            self._exit(1, "step 1 failed in user code; nothing saved (no step had finished); fix it and start again")
         if _updates_done(self.accelerator) != self.updates_at_step_start:
             newest = newest_complete(self.output_dir)
             self._exit(1, f"step {done + 1} failed in user code after its update; its state is not that of a finished "

@@ -61,13 +61,15 @@ class MetricsLogger:
                 f.writelines(rows)
             os.replace(self.path + ".tmp", self.path)
         except OSError as e:
+            if os.path.exists(self.path + ".tmp"):
+                os.remove(self.path + ".tmp")
             self._write_failed(e)
 
     def _write_failed(self, e):
         from utils.cli import fail
 
-        fail(f"could not write {e.filename or self.path}: [Errno {e.errno}] {e.strerror}; the checkpoints are "
-             "untouched (free the space or fix the permission, then resume with --resume_from_checkpoint latest)",
+        fail(f"could not write {e.filename2 or e.filename or self.path}: [Errno {e.errno}] {e.strerror}; the "
+             "checkpoints are untouched (free the space or fix the permission, then resume with --resume_from_checkpoint latest)",
              code=1)
 
     def log(self, metrics, step):
