@@ -344,7 +344,8 @@ calls = 0
 def flaky(completions, **columns):
     global calls
     calls += 1
-    if calls == int(os.environ.get("FLAKY_FAILS_AT_CALL", "0")):
+    if calls == int(os.environ.get("FLAKY_FAILS_AT_CALL", "0")) and os.environ.get("RANK", "0") == os.environ.get(
+            "FLAKY_FAILS_ON_RANK", os.environ.get("RANK", "0")):
         try:
             1 / 0
         except ZeroDivisionError as e:
@@ -438,3 +439,20 @@ def test_sigterm_to_the_launcher_of_two_processes_saves_every_rank(tmp_path):
     assert f"steps {match.group(2)}->4" in stdout
     assert_same_weights(tmp_path / "full" / "final", tmp_path / "stopped" / "final")
     assert [r["step"] for r in metrics_of(tmp_path / "stopped")] == list(range(1, 5))
+
+
+def test_a_reward_failing_on_one_of_two_processes_saves_every_rank(tmp_path):
+    """Rank 1's reward fails in step 3; rank 0's does not: both stop, checkpoint-2 holds both ranks."""
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+           os.path.join(ROOT, "train_grpo.py"), "--max_steps", "4", "--save_steps", "0",
+           "--reward_funcs", f"{tmp_path / 'flaky.py'}:flaky", "--output_dir", str(out)]
+    env = dict(ENV, ACCELERATE_USE_CPU="true", FLAKY_FAILS_AT_CALL="3", FLAKY_FAILS_ON_RANK="1")
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "[rank 1] error: reward function 'flaky' raised at step 3" in result.stderr, result.stderr[-3000:]
+    assert f"step 3 failed in user code (rank 1); saved {out / 'checkpoint-2'}" in result.stderr
+    manifest = json.loads((out / "checkpoint-2" / "manifest.json").read_text())
+    assert manifest["num_processes"] == 2 and {"random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"])

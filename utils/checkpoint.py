@@ -684,6 +684,7 @@ class Checkpointer:
             from tqdm.auto import tqdm
 
             tqdm.write(message, file=file)  # on a line of its own, not after the progress bar
+        self.accelerator.wait_for_everyone()  # no rank leaves first (a launcher stops the others when one does)
         self.accelerator.end_training()  # trackers closed, the process group torn down
         sys.exit(code)
 
