@@ -37,6 +37,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+# SIGTERM/SIGINT from the first second on: during setup the run stops at once (exit 1: nothing trained,
+# nothing saved); once steps run, the current step finishes and is saved first (exit 128 + signal)
+if __name__ == "__main__":
+    from utils.checkpoint import StopSignal
+
+    StopSignal.install()
+
 # CUDA allocator: segments that grow in place instead of new blocks per size, so memory freed by
 # one phase (KV cache, logits) is reused by the next instead of fragmenting; set before CUDA starts.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -224,8 +231,7 @@ def main(argv=None):
     from utils import rewards as reward_utils
     from utils.base import resolve_generation_backend
     from utils.checkpoint import Checkpointer, resolve_resume
-    from utils.cli import (UsageError, UserCodeError, fail, parse_args, quiet_library_warnings,
-                           report_user_code_error, set_cpu_threads)
+    from utils.cli import UsageError, fail, parse_args, quiet_library_warnings, set_cpu_threads
     from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
@@ -275,7 +281,7 @@ def main(argv=None):
                                         accelerator.device, args.offload_execution_device, num_processes)
         dataset = data_utils.load_task_dataset(args, accelerator, answer_required="accuracy" in specs)
         reward_utils.check_reward_signatures(reward_fns, dataset.column_names, args.prompt_column, args.answer_column)
-        resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+        resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir, accelerator)  # verified
         tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.tokenizer_name_or_path)
         stop_ids = stop_token_ids(args.stop_token, tokenizer)
         check_same_vocabulary(args.critic_model_name_or_path, "--critic_model_name_or_path", tokenizer,
@@ -371,11 +377,15 @@ def main(argv=None):
     encode_prompts = data_utils.PromptEncoder(tokenizer, args.max_prompt_length, args.use_chat_template,
                                             args.system_prompt)
     checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit,
-                                enabled=args.save_strategy != "no")
-    state = checkpointer.start(resume_path)
+                                enabled=args.save_strategy != "no", save_on_error=args.save_on_error)
+    state = checkpointer.start(resume_path, {"total_skipped": 0, "skipped_in_a_row": 0, "kl_coef": args.kl_coef},
+                               data_position={"seed": args.seed, "prompts_per_step": args.prompts_per_step,
+                                              "dataset_rows": len(dataset)})
     start_step, kl_coef = state.get("step", 0), state.get("kl_coef", args.kl_coef)
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
-    logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args))
+    guard.in_a_row = state["skipped_in_a_row"]
+    logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args),
+                           start_step=start_step)
     timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
     roles = {"actor": (actor, actor_optimizer), "critic": (critic, critic_optimizer), "ref": (ref_model, None),
              "reward": (reward_model and reward_model.model, None)}
@@ -407,6 +417,7 @@ def main(argv=None):
                     disable=not is_main, desc="ppo", dynamic_ncols=True,
                     mininterval=0.5 if sys.stderr.isatty() else 30)
     for step in progress:
+        checkpointer.begin_step(step)  # the RNG states a save after a failure in this step must hold
         timer.reset()
         snapshot.begin()
         oom.step = step + 1
@@ -459,12 +470,10 @@ def main(argv=None):
         # 3. scores: rule rewards and/or the reward model, weighted; penalty for no EOS
         with timer.phase("reward"), resident(reward_model and reward_model.model):
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            try:  # the user's code: a failure stops the run with one block (utils/cli.py)
+            with checkpointer.user_code():  # the user's code: fails -> one block, the last finished step saved, exit 1
                 rewards_per_func = reward_utils.score_completions(
                     reward_fns, completions, prompts, columns, home, completion_ids, completion_mask, step=step,
                     max_steps=args.max_steps, epoch=step * args.prompts_per_step / len(dataset))
-            except UserCodeError as e:
-                report_user_code_error(e, args.output_dir, rank, num_processes)
             scores = (rewards_per_func * reward_weights).nansum(dim=1)  # [B]
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * is_truncated.float()
@@ -588,7 +597,7 @@ def main(argv=None):
         tracker.after_step(step + 1, timer.metrics)  # --log_memory_every: the per-role table
 
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)
-        trainer_state = {"total_skipped": guard.total, "kl_coef": kl_coef}
+        trainer_state = {"total_skipped": guard.total, "skipped_in_a_row": guard.in_a_row, "kl_coef": kl_coef}
         signum = checkpointer.after_step(step + 1, args.max_steps, trainer_state)
         if signum:
             logger.close()
@@ -596,7 +605,8 @@ def main(argv=None):
 
     # ---- 4. the end: last checkpoint, final actor, replicas checked -----------------------------------
     progress.close()
-    checkpointer.save(args.max_steps, {"total_skipped": guard.total, "kl_coef": kl_coef})
+    checkpointer.save(args.max_steps, {"total_skipped": guard.total, "skipped_in_a_row": guard.in_a_row,
+                                       "kl_coef": kl_coef})
     final_dir = checkpointer.save_model(actor, tokenizer)  # None with --save_strategy no
     if replicas_comparable(engine):  # every rank holds the whole model: all must be equal
         check_replicas_in_sync(accelerator, actor)

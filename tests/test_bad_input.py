@@ -123,8 +123,8 @@ def test_a_reward_function_that_raises_is_one_block_with_the_checkpoint(script, 
     assert lines[1] == "Traceback of your code (most recent call last):"
     assert 'user_rewards.py", line 4, in boom' in lines[2] and "1 / 0" in lines[3]
     assert lines[-2] == "ZeroDivisionError: division by zero"
-    assert lines[-1] == (f"the run stopped at that step; the newest checkpoint is {out}/checkpoint-2: resume with "
-                         "--resume_from_checkpoint latest")
+    assert lines[-1] == (f"step 3 failed in user code (rank 0); saved {out}/checkpoint-2, the state after step 2: fix "
+                         f"the code, then resume with --resume_from_checkpoint {out}/checkpoint-2")
     assert "Traceback (most recent call last)" not in block and all(
         line.startswith(("  File", "    ")) for line in lines[2:-2])  # the user's frames only
 
@@ -137,7 +137,8 @@ def test_wrong_return_values_name_the_function_and_the_step(funcs, message, tmp_
     block, out = run_failing("train_grpo.py", tmp_path, funcs, "--num_generations", "16")
     lines = block.rstrip("\n").splitlines()
     assert lines[0].startswith(message), lines[0]
-    assert lines[1] == f"the run stopped at that step; no checkpoint in {out} yet" and len(lines) == 2
+    assert lines[1] == "step 1 failed in user code; nothing saved (no step had finished); fix it and start again"
+    assert len(lines) == 2
 
 
 def test_a_failing_reward_model_is_one_block(tmp_path):

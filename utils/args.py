@@ -97,6 +97,7 @@ class SharedArgs:
     save_steps: int = field(default=100, metadata={"help": "Save a resumable checkpoint every this many steps; 0: only at the end and on SIGTERM/SIGINT."})
     save_total_limit: Optional[int] = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest removed first)."})
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "A checkpoint folder, or `latest` for the newest in --output_dir."})
+    save_on_error: bool = field(default=True, metadata={"help": "When user code (a reward function or reward model) fails mid-step, first save the state of the last finished step, so the run resumes from it exactly."})
     debug: bool = field(default=False, metadata={"help": "One process, small batch, few steps, a per-phase time/memory line every step; with no model: the toy task."})
     config: Optional[str] = field(default=None, metadata={"help": "YAML file of flag names and values; flags on the command line win."})
 

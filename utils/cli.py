@@ -21,9 +21,9 @@ class UsageError(Exception):
 
 
 class UserCodeError(Exception):
-    """The user's code (a reward function, a reward model) failed during the run: printed as one
-    block naming the function, the step, what it returned or raised (with its own traceback), and
-    the checkpoint to resume from; exit code 1."""
+    """The user's code (a reward function, a reward model) failed mid-step: reported as one block
+    naming the function, the step, what it returned or raised (with its own traceback); the training
+    loop saves the last finished step first (--save_on_error, utils/checkpoint.py), exit code 1."""
 
     def __init__(self, message: str, user_traceback: str = ""):
         super().__init__(message)
@@ -457,28 +457,6 @@ def set_cpu_threads(device, toy_model: bool, verbose: bool = True):
 
 # ----------------------------------------------------------------------------------------------
 # User code failures
-
-
-def report_user_code_error(error: UserCodeError, output_dir: str, rank: int = 0, num_processes: int = 1):
-    """Print the block for a failed reward function or reward model (the function, the step, what
-    it returned or raised with its own traceback) and the newest complete checkpoint to resume
-    from, then exit with code 1. Printed by the rank that failed."""
-    from tqdm.auto import tqdm
-
-    from utils.checkpoint import list_checkpoints
-
-    for bar in list(getattr(tqdm, "_instances", ())):  # the progress bar ends before the block, not after it
-        bar.close()
-    found = list_checkpoints(output_dir)
-    resume = (f"the newest checkpoint is {found[-1][1]}: resume with --resume_from_checkpoint latest"
-              if found else f"no checkpoint in {output_dir} yet")
-    prefix = f"[rank {rank}] " if num_processes > 1 else ""
-    lines = [f"{prefix}error: {error}"]
-    if error.user_traceback:
-        lines.append(error.user_traceback.rstrip("\n"))
-    lines.append(f"{prefix}the run stopped at that step; {resume}")
-    print("\n".join(lines), file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def user_frames_only(exc: BaseException) -> str:

@@ -1,5 +1,9 @@
 """Metrics out: one JSON line per logged step in <output_dir>/metrics.jsonl, accelerate's
-trackers (--report_to tensorboard|wandb), and a compact line on the console."""
+trackers (--report_to tensorboard|wandb), and a compact line on the console.
+
+metrics.jsonl is strict JSON (NaN and +-inf are written as null). A resumed run holds each step
+once: rows past the checkpoint's step are dropped from metrics.jsonl when it starts, and
+TensorBoard is told to hide its events from that step on (purge_step)."""
 
 import importlib.util
 import json
@@ -25,22 +29,60 @@ class MetricsLogger:
                ("loss/policy", "loss"), ("value/loss", "vf_loss"), ("optim/grad_norm", "grad_norm"),
                ("time/step", "step_s"))
 
-    def __init__(self, accelerator, output_dir, report_to, run_name, config):
+    def __init__(self, accelerator, output_dir, report_to, run_name, config, start_step=0):
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.report_to = report_to
+        if accelerator.is_main_process:
+            self._keep_rows_up_to(start_step)  # a fresh run (0): an empty file
+        accelerator.wait_for_everyone()
         if report_to != "none":
             # trackers want flat, simple values
             flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in config.items()}
-            accelerator.init_trackers(run_name, config=flat)
+            # resumed: TensorBoard hides the earlier run's events from this step on (they are logged again)
+            init_kwargs = {"tensorboard": {"purge_step": start_step + 1}} if start_step else {}
+            accelerator.init_trackers(run_name, config=flat, init_kwargs=init_kwargs)
+
+    def _keep_rows_up_to(self, step):
+        """Drop the rows past `step` (logged after the checkpoint a run resumes from, e.g. before a
+        kill -9) and any torn last line; written to a new file, then renamed over the old one."""
+        rows = []
+        if step and os.path.isfile(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short by a kill
+                    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                        rows.append(line if line.endswith("\n") else line + "\n")
+        try:
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(rows)
+            os.replace(self.path + ".tmp", self.path)
+        except OSError as e:
+            if os.path.exists(self.path + ".tmp"):
+                os.remove(self.path + ".tmp")
+            self._write_failed(e)
+
+    def _write_failed(self, e):
+        from utils.cli import fail
+
+        fail(f"could not write {e.filename2 or e.filename or self.path}: [Errno {e.errno}] {e.strerror}; the "
+             "checkpoints are untouched (free the space or fix the permission, then resume with --resume_from_checkpoint latest)",
+             code=1)
 
     def log(self, metrics, step):
         # torchao optimizers keep lr as a tensor: scalars of any kind become floats
         clean = {k: (float(v) if isinstance(v, (int, float)) or getattr(v, "numel", lambda: 0)() == 1 else v)
                  for k, v in metrics.items()}
         if self.accelerator.is_main_process:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")
+            row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
+            except OSError as e:
+                self._write_failed(e)
         if self.report_to != "none":
             self.accelerator.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
 
