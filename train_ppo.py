@@ -24,7 +24,9 @@ Details of RLHF with PPO", arXiv:2403.17031):
 Departures: the critic is a separate model with its own optimizer (so it can live on another
 device), so --vf_coef scales the critic's loss alone; every completion ends at its last token
 (no value bootstrap past max_completion_length); losses are token means over the whole
-mini-batch on all processes, so micro-batching does not change them.
+mini-batch on all processes, so micro-batching does not change them. As in train_grpo.py:
+--delta (dual clip), --overlong_buffer_len (DAPO's overlong penalty), --rollout_importance_correction
+(policy/rollout_train_logprob_diff is always logged), --log_completions.
 """
 
 import dataclasses
@@ -129,15 +131,24 @@ def compute_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens):
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens, delta=None, weights=None):
     """PPO clipped surrogate, summed over this micro-batch's tokens / num_tokens (all tokens of
-    the mini-batch on all processes). Returns loss, clipped-token count, approx-KL sum."""
+    the mini-batch on all processes). delta: dual clip (Ye et al. 2020, arXiv:1912.09729; TRL's
+    delta): the unclipped ratio is capped at delta, so a negative advantage's loss stops growing at
+    delta |A|. weights [B, C]: constant per-token weights (rollout importance weights). Returns
+    loss, clipped-token count (a clip or the cap is active), approx-KL sum."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
+    unclipped = -advantages * (ratio if delta is None else torch.clamp(ratio, max=delta))
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = (torch.max(unclipped, clipped) * mask).sum() / num_tokens
-    clipfrac = ((clipped > unclipped).float() * mask).sum()
+    per_token = torch.max(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
+    loss = (per_token * mask).sum() / num_tokens
+    is_clipped = clipped > unclipped
+    if delta is not None:
+        is_clipped = is_clipped | ((ratio > delta) & (advantages < 0))
+    clipfrac = (is_clipped.float() * mask).sum()
     approx_kl = (0.5 * log_ratio.detach() ** 2 * mask).sum()  # the low-variance k2 estimator
     return loss, clipfrac, approx_kl
 
@@ -157,6 +168,31 @@ def update_kl_coef(kl_coef, observed_kl, target_kl, num_samples, horizon):
     """Adaptive KL controller (Ziegler et al. 2019, arXiv:1909.08593, section 2.2)."""
     error = min(max(observed_kl / target_kl - 1, -0.2), 0.2)
     return kl_coef * (1 + error * num_samples / horizon)
+
+
+def rollout_importance_weights(train_logprobs, rollout_logprobs, mask, mode, clip):
+    """Rollout correction: the tokens were sampled under the generating numerics (pi_rollout: the
+    decoding loop, a bf16 --generation_copy, a compiled step), the loss assumes the training
+    forward's (pi_old). Per-token weight rho = pi_old / pi_rollout (token_*), or the product over
+    the completion's tokens (sequence_*), truncated at `clip` (*_truncate: TIS, Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training") or zeroed above it
+    (*_mask: masked IS, Liu, Li et al. 2025, "When speed kills stability"), as TRL's
+    vllm_importance_sampling_mode and verl's rollout_correction. A constant (no gradient).
+    train_logprobs, rollout_logprobs, mask: [B, C] -> weights [B, C], and whether each was cut."""
+    log_rho = (train_logprobs.detach() - rollout_logprobs) * mask  # [B, C]
+    if mode.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True).expand_as(mask)
+    rho = torch.exp(log_rho)
+    cut = rho > clip
+    weights = rho.clamp(max=clip) if mode.endswith("truncate") else torch.where(cut, torch.zeros_like(rho), rho)
+    return weights, cut
+
+
+def overlong_penalty(lengths, max_completion_length, buffer_len, factor):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, overlong reward shaping),
+    times `factor`: 0 up to L_max - L_cache tokens, then linear down to -factor at L_max
+    (= max_completion_length; no completion is longer). lengths: [B] tokens (EOS included) -> [B]."""
+    return -factor * ((lengths.float() - (max_completion_length - buffer_len)) / buffer_len).clamp(min=0, max=1) + 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +222,9 @@ def check_args(args, num_processes, explicit=frozenset()):
             raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
     if args.target_kl is not None and not args.target_kl > 0:
         raise UsageError(f"--target_kl must be > 0 (got {args.target_kl})")
+    if args.delta is not None and not args.delta > 1 + args.cliprange:
+        raise UsageError(f"--delta {args.delta} must be > 1 + --cliprange ({1 + args.cliprange:g}): below it the cap "
+                         "would also cut the upper clip")
     if args.missing_eos_penalty is not None and args.missing_eos_penalty < 0:
         raise UsageError(f"--missing_eos_penalty must be >= 0, it is subtracted (got {args.missing_eos_penalty})")
     if args.prompts_per_step % num_processes:
@@ -232,6 +271,7 @@ def main(argv=None):
     from utils.base import resolve_generation_backend
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args, quiet_library_warnings, set_cpu_threads
+    from utils.completions import CompletionLogger
     from utils.engines import (backward, check_engine_args, configure_engine, engine_of, gathered_for_generation,
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
@@ -354,7 +394,8 @@ def main(argv=None):
                                                 quantization=quantization_of(args))
         reward_fns.append((reward_model.name, reward_model))
         table.append(("reward", placements["reward"], False))
-    reward_weights = torch.tensor(reward_weights, device=home)
+    reward_names = [name for name, _ in reward_fns] + (["overlong_penalty"] if args.overlong_buffer_len else [])
+    reward_weights = torch.tensor(reward_weights + [1.0] * bool(args.overlong_buffer_len), device=home)  # [F]
     optimizer_steps = args.max_steps * args.ppo_epochs * args.num_mini_batches
     warmup = args.warmup_steps or int(args.warmup_ratio * optimizer_steps)
     master = engine.startswith("zero")  # DeepSpeed keeps fp32 master weights itself
@@ -386,6 +427,8 @@ def main(argv=None):
     guard.in_a_row = state["skipped_in_a_row"]
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args),
                            start_step=start_step)
+    completion_logger = CompletionLogger(accelerator, args.output_dir, args.report_to, args.num_completions_to_print,
+                                         resumed_step=start_step if resume_path else None) if args.log_completions else None
     timer = PhaseTimer(home, empty_cache=args.empty_cache_between_phases)
     roles = {"actor": (actor, actor_optimizer), "critic": (critic, critic_optimizer), "ref": (ref_model, None),
              "reward": (reward_model and reward_model.model, None)}
@@ -430,10 +473,13 @@ def main(argv=None):
         with timer.phase("generate"):
             prompt_ids, prompt_mask = encode_prompts(raw_prompts, home)  # [B, P]
             with gathered_for_generation(engine, actor, args.gather_for_generation):  # ZeRO-3, FSDP2
-                completion_ids, completion_mask, is_truncated = shrink.retry(lambda: generate_completions(
-                    unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids, args.generation_slice_size,
-                    args.generation_backend, keep_decoder=not args.empty_cache_between_phases,
-                    from_copy=args.generation_copy), "generate", kind="generation")  # [B, C] x2, [B]
+                # sampling_logprobs: each token's logprob under the numerics that sampled it
+                completion_ids, completion_mask, is_truncated, sampling_logprobs = shrink.retry(
+                    lambda: generate_completions(
+                        unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
+                        args.generation_slice_size, args.generation_backend,
+                        keep_decoder=not args.empty_cache_between_phases, from_copy=args.generation_copy,
+                        return_logprobs=True), "generate", kind="generation")  # [B, C] x2, [B], [B, C]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]
@@ -466,6 +512,14 @@ def main(argv=None):
                     ref_policy, input_ids, attention_mask, make_plan(), args.temperature, chunk), "ref")
         with timer.phase("values"), torch.no_grad(), resident(unwrapped_critic):
             old_values = shrink.retry(critic_values, "values")
+        # the rollout's numerics (pi_rollout) against the training forward's (pi_old), on the same tokens;
+        # --rollout_importance_correction weights the policy loss by rho = pi_old / pi_rollout
+        rollout_diff = (old_logprobs - sampling_logprobs).abs() * mask  # [B, C]
+        is_weights, is_cut = None, torch.zeros_like(mask, dtype=torch.bool)
+        if args.rollout_importance_correction != "none":
+            is_weights, is_cut = rollout_importance_weights(old_logprobs, sampling_logprobs, mask,
+                                                            args.rollout_importance_correction,
+                                                            args.rollout_importance_clip)
 
         # 3. scores: rule rewards and/or the reward model, weighted; penalty for no EOS
         with timer.phase("reward"), resident(reward_model and reward_model.model):
@@ -474,6 +528,10 @@ def main(argv=None):
                 rewards_per_func = reward_utils.score_completions(
                     reward_fns, completions, prompts, columns, home, completion_ids, completion_mask, step=step,
                     max_steps=args.max_steps, epoch=step * args.prompts_per_step / len(dataset))
+            if args.overlong_buffer_len:  # DAPO's soft overlong punishment, one more reward column
+                penalty = overlong_penalty(completion_mask.sum(1), args.max_completion_length,
+                                           args.overlong_buffer_len, args.overlong_penalty_factor)  # [B]
+                rewards_per_func = torch.cat([rewards_per_func, penalty[:, None]], dim=1)  # [B, F]
             scores = (rewards_per_func * reward_weights).nansum(dim=1)  # [B]
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * is_truncated.float()
@@ -511,9 +569,10 @@ def main(argv=None):
                                                                     micro.window(attention_mask), micro.c,
                                                                     args.temperature, entropy=entropy_mode,
                                                                     chunk_size=chunk)
-                            loss, clipped, approx_kl = policy_loss(logprobs, micro.completion(old_logprobs),
-                                                                   micro.completion(advantages), m_mask,
-                                                                   args.cliprange, num_tokens)
+                            loss, clipped, approx_kl = policy_loss(
+                                logprobs, micro.completion(old_logprobs), micro.completion(advantages), m_mask,
+                                args.cliprange, num_tokens, delta=args.delta,
+                                weights=micro.completion(is_weights) if is_weights is not None else None)
                             if args.entropy_coef > 0:  # entropy bonus over the mini-batch's tokens
                                 loss = loss - args.entropy_coef * masked_sum(entropy, m_mask) / num_tokens
                             # DDP averages; the loss is a global share. DeepSpeed: the engine steps after the last
@@ -558,7 +617,8 @@ def main(argv=None):
             all_rewards_per_func = accelerator.gather(rewards_per_func)
             stats = sum_over_processes(torch.stack([
                 (returns * mask).sum(), (returns ** 2 * mask).sum(), ((returns - old_values) * mask).sum(),
-                ((returns - old_values) ** 2 * mask).sum(), (old_values * mask).sum(), mask.sum()]))
+                ((returns - old_values) ** 2 * mask).sum(), (old_values * mask).sum(), mask.sum(), rollout_diff.sum(),
+                ((is_weights if is_weights is not None else 1.0) * mask).sum(), (is_cut * mask).sum()]))
             n = stats[5].clamp(min=2)
             var_returns = stats[1] / n - (stats[0] / n) ** 2
             var_residual = stats[3] / n - (stats[2] / n) ** 2
@@ -578,6 +638,9 @@ def main(argv=None):
                 "value/mean": (stats[4] / n).item(),
                 "value/returns_mean": (stats[0] / n).item(),
                 "value/explained_variance": (1 - var_residual / var_returns.clamp(min=1e-8)).item(),
+                # pi_rollout vs the training forward on the sampled tokens: what --rollout_importance_correction corrects
+                "policy/rollout_train_logprob_diff/mean": (stats[6] / n).item(),
+                "policy/rollout_train_logprob_diff/max": accelerator.gather(rollout_diff.max()[None]).max().item(),
                 "optim/lr": actor_scheduler.get_last_lr()[0],
                 "optim/critic_lr": critic_scheduler.get_last_lr()[0],
                 "optim/grad_norm": norms_mean[0].item(),
@@ -586,10 +649,15 @@ def main(argv=None):
                 "memory/host_peak_rss_gib": host_peak_rss_gib(),
                 "memory/auto_reductions": shrink.reductions,
             }
-            metrics |= rollout_metrics(accelerator, completion_mask, is_truncated, all_rewards_per_func,
-                                       [name for name, _ in reward_fns])
+            if is_weights is not None:
+                metrics["policy/rollout_is_weight_mean"] = (stats[7] / n).item()
+                metrics["policy/rollout_is_cut_frac"] = (stats[8] / n).item()
+            metrics |= rollout_metrics(accelerator, completion_mask, is_truncated, all_rewards_per_func, reward_names)
             logger.log_step(metrics, step + 1, timer, step_start, verbose=args.debug)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{observed_kl:.3g}")
+            if completion_logger is not None:  # --log_completions; the advantage: the completion's token mean
+                completion_logger.log(step + 1, prompts, completions, rewards_per_func, reward_names, scores,
+                                      masked_sum(advantages, mask, dim=1) / mask.sum(1).clamp(min=1))
             if args.debug and is_main and step % 25 == 0:
                 tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} (score {scores[0].item():.3f})")
 

@@ -374,3 +374,37 @@ def test_scripts_train_lora_generating_from_the_merged_copy(run, tmp_path, scrip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics_of(tmp_path)
     assert len(rows) == 2 and all(r["optim/grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("backend", ["hf", "static"])
+@pytest.mark.parametrize("temperature, top_k, top_p, slice_size", [(1.0, 0, 1.0, None), (0.7, 20, 0.9, 2)])
+def test_sampling_logprobs_equal_the_training_forward(backend, temperature, top_k, top_p, slice_size):
+    """The logprob each decoding loop returns for its sampled tokens (the rollout correction's
+    pi_rollout) is the training forward's, computed another way: a full forward over prompt +
+    completion at the sampling temperature, before top-k / top-p (completion_logprobs), equal up
+    to float32 numerics; 0 on padding. Also with slices (their rows put back in order)."""
+    from utils.generation import build_generation_config, generate_completions
+    from utils.ops import completion_logprobs
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    config = build_generation_config(12, temperature, top_p, top_k, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    torch.manual_seed(0)
+    completion_ids, completion_mask, _, sampling_logprobs = generate_completions(
+        model, ids, mask, config, [tokenizer.eos_token_id], batch_size=slice_size, backend=backend,
+        return_logprobs=True)
+    with torch.no_grad():
+        train_logprobs, _ = completion_logprobs(model, torch.cat([ids, completion_ids], 1),
+                                                torch.cat([mask, completion_mask], 1), completion_ids.shape[1],
+                                                temperature)
+    assert sampling_logprobs.shape == completion_ids.shape and sampling_logprobs.dtype == torch.float32
+    assert completion_mask.sum() > 8 and (sampling_logprobs * completion_mask).min() < -0.5  # real draws
+    torch.testing.assert_close(sampling_logprobs * completion_mask, train_logprobs * completion_mask,
+                               rtol=0, atol=1e-4)
+    assert (sampling_logprobs[completion_mask == 0] == 0).all()
+    if top_k:  # unfiltered: the top-k / top-p renormalised distribution gives other (larger) logprobs
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask,
+                           position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits[:, -1]
+        filtered = sampling_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+        filtered = filtered.gather(1, completion_ids[:, :1]).squeeze(1)
+        assert (filtered - sampling_logprobs[:, 0]).min() > 1e-3

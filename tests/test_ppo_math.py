@@ -131,3 +131,48 @@ def test_adaptive_kl_controller():
     assert update_kl_coef(0.1, 12.0, 6.0, 100, 1000) == pytest.approx(0.1 * (1 + 0.2 * 0.1))
     assert update_kl_coef(0.1, 6.6, 6.0, 100, 1000) == pytest.approx(0.1 * (1 + 0.1 * 0.1))
     assert update_kl_coef(0.1, 0.0, 6.0, 100, 1000) == pytest.approx(0.1 * (1 - 0.2 * 0.1))
+
+
+def test_policy_loss_dual_clip_and_weights_match_a_loop():
+    """--delta (dual clip, Ye et al. 2020, arXiv:1912.09729) and per-token weights (rollout correction)
+    against the objective written out token by token: A < 0: max(min(r A, clip(r) A), c A)."""
+    g = torch.Generator().manual_seed(11)
+    logp = torch.randn(4, 12, generator=g, dtype=torch.float64)
+    old = logp - torch.randn(4, 12, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 12, generator=g, dtype=torch.float64)
+    weights = torch.rand(4, 12, generator=g, dtype=torch.float64)
+    mask = torch.ones(4, 12, dtype=torch.float64)
+    mask[2, 5:] = 0
+    eps, c, num_tokens = 0.2, 2.5, 40.0
+    loss, clipfrac, _ = policy_loss(logp, old, adv, mask, eps, num_tokens, delta=c, weights=weights)
+    total, clipped = 0.0, 0
+    for i in range(4):
+        for t in range(12):
+            if not mask[i, t]:
+                continue
+            r, a = math.exp((logp[i, t] - old[i, t]).item()), adv[i, t].item()
+            surrogate = min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+            objective = max(surrogate, c * a) if a < 0 else surrogate
+            total += -objective * weights[i, t].item()
+            clipped += (r < 1 - eps and a < 0) or (r > 1 + eps and a > 0) or (r > c and a < 0)
+    assert loss.item() == pytest.approx(total / num_tokens, rel=1e-12)
+    assert clipfrac.item() == clipped
+    plain, _, _ = policy_loss(logp, old, adv, mask, eps, num_tokens)
+    assert plain.item() != pytest.approx(loss.item())
+
+
+def test_rollout_weights_and_overlong_penalty_are_grpos():
+    """The copies in train_ppo.py compute what train_grpo.py's do (tested there against loops)."""
+    import train_grpo
+    import train_ppo
+
+    g = torch.Generator().manual_seed(12)
+    train = -torch.rand(6, 7, generator=g) * 4
+    rollout = train + torch.randn(6, 7, generator=g)
+    mask = (torch.rand(6, 7, generator=g) > 0.2).float()
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        for a, b in zip(train_ppo.rollout_importance_weights(train, rollout, mask, mode, 2.0),
+                        train_grpo.rollout_importance_weights(train, rollout, mask, mode, 2.0)):
+            assert torch.equal(a, b), mode
+    lengths = torch.arange(0, 33)
+    assert torch.equal(train_ppo.overlong_penalty(lengths, 32, 8, 0.7), train_grpo.overlong_penalty(lengths, 32, 8, 0.7))

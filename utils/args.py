@@ -72,11 +72,15 @@ class SharedArgs:
     reward_funcs: Optional[str] = field(default=None, metadata={"help": "Comma list of built-ins (accuracy, format), path/file.py:function or module:function, or none; default: accuracy, or none when a reward model is given."})
     reward_weights: Optional[str] = field(default=None, metadata={"help": "Comma list of weights, one per reward function then the reward model; default all 1."})
     reward_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Sequence-classification model (num_labels=1) scoring prompt + completion at its last token, with its own tokenizer."})
+    overlong_buffer_len: int = field(default=0, metadata={"help": "DAPO's soft overlong punishment (arXiv:2503.14476): completions longer than max_completion_length - this many tokens get a penalty falling linearly from 0 to -overlong_penalty_factor at max_completion_length, added to the reward (logged as reward/overlong_penalty); 0: off."})
+    overlong_penalty_factor: float = field(default=1.0, metadata={"help": "The overlong penalty at max_completion_length tokens (with --overlong_buffer_len)."})
     # --- sampling and batching
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (logprobs are computed at the same temperature)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold; 1.0 disables."})
     top_k: int = field(default=0, metadata={"help": "Sample from the k most likely tokens; 0 disables."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Completions per forward/backward micro-batch on each process; gradients accumulate over the rest of the optimizer step. Left unset, it shrinks to divide each process's share."})
+    rollout_importance_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = field(default="none", metadata={"help": "Correct the loss for the gap between the numerics that sampled the tokens (the decoding loop, --generation_copy, a compiled step) and the training forward's: weight each token by pi_train / pi_rollout per token, or per sequence (the product over its tokens), truncated at --rollout_importance_clip (TIS) or zeroed above it (masked IS); TRL's vllm_importance_sampling_mode. policy/rollout_train_logprob_diff is logged either way."})
+    rollout_importance_clip: float = field(default=3.0, metadata={"help": "C of --rollout_importance_correction: weights are truncated at C (*_truncate) or zeroed above C (*_mask); TRL's vllm_importance_sampling_clip_max."})
     # --- optimisation
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy."})
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": "Learning-rate schedule after warmup."})
@@ -88,6 +92,7 @@ class SharedArgs:
     num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the prompts when --max_steps is -1."})
     seed: int = field(default=42, metadata={"help": "Random seed; each process samples with seed + its rank."})
     max_skipped_steps: int = field(default=5, metadata={"help": "Abort after this many consecutive updates skipped for a non-finite loss or gradient norm."})
+    delta: Optional[float] = field(default=None, metadata={"help": "Two-sided (dual) clip: the unclipped ratio is capped at delta, so a token with a negative advantage and a large ratio adds at most delta x |A| (INTELLECT-2, arXiv:2505.07291; verl's clip_ratio_c); must exceed 1 + the upper clip range; unset: off."})
     # --- logging and saving
     output_dir: str = field(default="outputs", metadata={"help": "Checkpoints, metrics.jsonl and the final model (output_dir/final) go here."})
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many steps."})
@@ -100,6 +105,8 @@ class SharedArgs:
     save_on_error: bool = field(default=True, metadata={"help": "When user code (a reward function or reward model) fails mid-step, first save the state of the last finished step, so the run resumes from it exactly."})
     debug: bool = field(default=False, metadata={"help": "One process, small batch, few steps, a per-phase time/memory line every step; with no model: the toy task."})
     config: Optional[str] = field(default=None, metadata={"help": "YAML file of flag names and values; flags on the command line win."})
+    log_completions: bool = field(default=False, metadata={"help": "Every logged step, a table of the step's prompts, completions, each reward function's score, the reward and the advantage: to output_dir/completions.jsonl and the tracker (tensorboard text, wandb table)."})
+    num_completions_to_print: int = field(default=4, metadata={"help": "With --log_completions, print this many of the table's rows under the progress bar; 0: none."})
 
 
 def apply_presets(args, explicit, toy_preset, debug_preset):
@@ -142,6 +149,14 @@ def check_shared_args(args, num_processes=1):
     check_memory_args(args, num_processes)
     if args.save_total_limit is not None and args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit must be at least 1 (got {args.save_total_limit})")
+    if not 0 <= args.overlong_buffer_len <= args.max_completion_length:
+        raise UsageError(f"--overlong_buffer_len must be in [0, --max_completion_length {args.max_completion_length}] "
+                         f"(got {args.overlong_buffer_len})")
+    for name in ("overlong_penalty_factor", "num_completions_to_print"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if not args.rollout_importance_clip > 0:
+        raise UsageError(f"--rollout_importance_clip must be > 0 (got {args.rollout_importance_clip})")
     check_output_dir(args.output_dir)
 
 

@@ -46,11 +46,14 @@ HELP_SECTIONS = {
     "algorithm (this script's own flags)": (
         # train_grpo.py
         "prompts_per_step", "num_generations", "num_iterations", "loss_type", "scale_rewards", "epsilon",
-        "epsilon_high", "beta", "mask_truncated_completions",
+        "epsilon_high", "beta", "mask_truncated_completions", "importance_sampling_level", "delta",
+        "use_bias_correction_kl", "top_entropy_quantile", "dynamic_sampling", "max_generation_rounds",
         # train_ppo.py
         "num_mini_batches", "ppo_epochs", "cliprange", "cliprange_value", "vf_coef", "gamma", "lam", "kl_coef",
         "kl_estimator", "target_kl", "kl_horizon", "whiten_rewards", "missing_eos_penalty", "stop_token",
-        "critic_learning_rate"),
+        "critic_learning_rate",
+        # both scripts: DAPO's overlong penalty, rollout correction
+        "overlong_buffer_len", "overlong_penalty_factor", "rollout_importance_correction", "rollout_importance_clip"),
     "training: steps, batches, optimizer, sampling": (
         "debug", "config", "max_steps", "num_train_epochs", "per_device_train_batch_size", "learning_rate",
         "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "entropy_coef",
@@ -73,8 +76,8 @@ HELP_SECTIONS = {
               "gather_for_generation"),
     "placement": ("actor_device", "critic_device", "ref_device", "reward_device", "offload_execution_device"),
     "saving and logging": (
-        "output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "logging_steps",
-        "report_to", "run_name"),
+        "output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint", "save_on_error",
+        "logging_steps", "report_to", "run_name", "log_completions", "num_completions_to_print"),
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -112,7 +115,8 @@ _REF = "the reference stays the initial policy (no reference updates)"
 TRL_NOT_HERE = {  # TRL flags with no meaning here -> what to use instead (one line each)
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_gpu_memory_utilization": _VLLM,
     "vllm_tensor_parallel_size": _VLLM, "vllm_server_host": _VLLM, "vllm_server_port": _VLLM,
-    "vllm_importance_sampling_correction": _VLLM, "vllm_enable_sleep_mode": _VLLM,
+    "vllm_importance_sampling_correction": "the rollouts' own numerics are corrected by --rollout_importance_correction "
+                                           "token_truncate (and --rollout_importance_clip); no vLLM here", "vllm_enable_sleep_mode": _VLLM,
     "use_transformers_paged": _VLLM, "use_transformers_continuous_batching": _VLLM,
     "steps_per_generation": "each step generates once and trains on that batch; reuse it for several optimizer "
                             "steps with --num_iterations (train_grpo.py)",
@@ -131,8 +135,6 @@ TRL_NOT_HERE = {  # TRL flags with no meaning here -> what to use instead (one l
     "lora_target_parameters": _LORA,
     "bnb_4bit_quant_type": _NF4, "use_bnb_nested_quant": _NF4, "bnb_4bit_quant_storage": _NF4,
     "model_revision": "download that revision to a folder (huggingface-cli download --revision ...) and give the folder",
-    "log_completions": "--debug prints a sample completion every 25 steps", "num_completions_to_print":
-        "--debug prints a sample completion every 25 steps",
     "logging_strategy": "--logging_steps (log every this many steps)",
     "remove_unused_columns": "every dataset column already reaches the reward functions",
     "shuffle_dataset": "prompts are always drawn in a fresh permutation per epoch, seeded by --seed",

@@ -55,17 +55,20 @@ def sample_from(logits, generator=None):
 
 @torch.no_grad()
 def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, eos_token_ids,
-                          pad_token_id, step_mode="eager", greedy=False, check_every=16):
+                          pad_token_id, step_mode="eager", greedy=False, check_every=16, return_logprobs=False):
     """--generation_backend static / cudagraph / compiled: the same sampling as `generate`
     (sampling_logits) from a static KV cache, so every decoding step has the same shapes and the
     step can be replayed as one CUDA graph (step_mode cudagraph: the eager step captured;
     compiled: the torch.compile'd step captured; on a CPU, eager and compiled-without-graph). No
     host synchronisation per token: whether every row has finished is asked every `check_every`
-    steps. Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens."""
+    steps. Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
+    return_logprobs each one's logprob [B, N] as the step sampled it (see _pick; 0 after EOS)."""
     cache_len = static_cache_len(input_ids.shape[1], max_new_tokens)
     with packed_gqa_decoding(model):
-        return _static_loop(model, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p, greedy),
-                            eos_token_ids, pad_token_id, step_mode, check_every, cache_len)
+        tokens, logprobs = _static_loop(model, input_ids, attention_mask, max_new_tokens,
+                                        (temperature, top_k, top_p, greedy), eos_token_ids, pad_token_id, step_mode,
+                                        check_every, cache_len)
+    return (tokens, logprobs) if return_logprobs else tokens
 
 
 def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_ids, pad_token_id, step_mode,
@@ -80,21 +83,22 @@ def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos
     # prefill: only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits)
     logits = model(input_ids=input_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=cache,
                    cache_position=torch.arange(P, device=device), use_cache=True, logits_to_keep=1).logits[:, -1]
-    token = _pick(logits, *sampling)
+    token, logprob = _pick(logits, *sampling)
     cache_positions = torch.arange(P, P + max_new_tokens, device=device)  # sliced per step: no host-to-device copy
     position = positions[:, -1:] + 1
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens = []
+    tokens, logprobs = [], []
     for t in range(max_new_tokens):
         token = token.masked_fill(finished, pad_token_id)
         tokens.append(token)
+        logprobs.append(logprob.masked_fill(finished, 0.0))
         finished = finished | torch.isin(token, eos)
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
             break
         mask[:, P + t] = 1
-        token = step(token, position, cache_positions[t:t + 1], mask)
+        token, logprob = step(token, position, cache_positions[t:t + 1], mask)
         position = position + 1
-    return torch.stack(tokens, dim=1)
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
 PACKED_GQA = "lean_rl_packed_gqa_sdpa"  # the attention implementation's registered name
@@ -143,12 +147,19 @@ def packed_gqa_decoding(model):
 
 
 def _pick(logits, temperature, top_k, top_p, greedy):
-    return logits.argmax(dim=-1) if greedy else sample_from(sampling_logits(logits, temperature, top_k, top_p))
+    """(token [B], its logprob [B]): the token drawn from sampling_logits, and its logprob under
+    softmax(logits / temperature) before top-k / top-p, the distribution the training forward
+    computes (utils/ops.py completion_logprobs), so that the two differ by numerics only (the
+    rollout correction's pi_rollout; one logsumexp over the vocabulary per step)."""
+    scaled = logits.float() / temperature  # [B, V]
+    token = scaled.argmax(dim=-1) if greedy else sample_from(sampling_logits(scaled, 1.0, top_k, top_p))
+    logprob = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return token, logprob
 
 
 def _decoder(model, batch, cache_len, sampling, step_mode, device):
     """(static KV cache, decoding step(token [B], position [B, 1], cache_position [1], mask [B, L])
-    -> next token [B]) for `model`. A captured or compiled pair is kept on the model for its next
+    -> (next token [B], its logprob [B])) for `model`. A captured or compiled pair is kept on the model for its next
     rollouts (the cache emptied each time): the graph replays into the same cache tensors and
     nothing is compiled or captured again, for the price of the cache staying allocated between
     rollouts. The eager step gets a fresh cache each call (freed with it)."""
@@ -242,7 +253,7 @@ def _captured(model, cache, step, batch, cache_len, device, warmup=3):
         for buffer, value in zip(inputs, new_inputs):
             buffer.copy_(value)
         graph.replay()
-        return output.clone()
+        return tuple(o.clone() for o in output)  # (token, logprob)
 
     replay.graph = graph  # keeps the graph (and its memory pool) alive with the step
     return replay
@@ -273,7 +284,7 @@ def _keys_as_values_class(cls):
 
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
-                         backend="hf", keep_decoder=True, from_copy=False):
+                         backend="hf", keep_decoder=True, from_copy=False, return_logprobs=False):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_slice_size: a smaller KV cache; default all at once; the slices grouped by
     prompt length), with `generate`
@@ -286,7 +297,11 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
-    (no EOS within max_new_tokens), all on the device of `prompt_ids`."""
+    (no EOS within max_new_tokens), all on the device of `prompt_ids`; with return_logprobs also
+    sampling_logprobs [B, C] (float32, 0 on padding): each sampled token's logprob under the
+    numerics that sampled it, at the sampling temperature and before top-k / top-p, as the training
+    forward computes it (the rollout correction's pi_rollout). No extra forward: the static loops
+    take it from the logits they sample from, `generate` through _SampledLogprobs."""
     policy = model
     if from_copy:
         model = generation_copy(policy)
@@ -314,8 +329,12 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                     keep = int(mask.sum(dim=1).max())
                     ids, mask = ids[:, ids.shape[1] - keep:], mask[:, mask.shape[1] - keep:]
                 if backend == "hf":
-                    new = model.generate(input_ids=ids, attention_mask=mask,
-                                         generation_config=generation_config)[:, ids.shape[1]:]
+                    from transformers import LogitsProcessorList
+
+                    recorder = _SampledLogprobs(generation_config.temperature or 1.0)
+                    new = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
+                                         logits_processor=LogitsProcessorList([recorder]))[:, ids.shape[1]:]
+                    new_logprobs = recorder.finish(new)
                 else:
                     if backend in CAPTURED_BACKENDS and device.type != "cuda":
                         import warnings
@@ -323,19 +342,59 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                         warnings.warn(f"--generation_backend {backend} needs a GPU (CUDA graphs); using static")
                     gc = generation_config
                     step_mode = {"static": "eager"}.get(backend, backend) if device.type == "cuda" else "eager"
-                    new = static_cache_generate(model, ids, mask, gc.max_new_tokens, gc.temperature, gc.top_p or 1.0,
-                                                gc.top_k or 0, eos_token_ids, gc.pad_token_id, step_mode=step_mode)
-                slices.append(new.to(prompt_ids.device))
+                    new, new_logprobs = static_cache_generate(
+                        model, ids, mask, gc.max_new_tokens, gc.temperature, gc.top_p or 1.0, gc.top_k or 0,
+                        eos_token_ids, gc.pad_token_id, step_mode=step_mode, return_logprobs=True)
+                slices.append((new.to(prompt_ids.device), new_logprobs.float().to(prompt_ids.device)))
     finally:
         model.train(was_training)
         if not keep_decoder:
             model.__dict__.pop("_lean_rl_decoder", None)
             policy.__dict__.pop("_lean_rl_generation_copy", None)
-    width = max(s.shape[1] for s in slices)  # slices stop when their own rows finish
-    completion_ids = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=pad) for s in slices])
+    width = max(ids.shape[1] for ids, _ in slices)  # slices stop when their own rows finish
+    completion_ids = torch.cat([torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad) for ids, _ in slices])
+    sampling_logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for _, lp in slices])
     if order is not None:
-        completion_ids = completion_ids[order.argsort().to(completion_ids.device)]
-    return completion_ids_and_mask(completion_ids, eos_token_ids, pad)
+        back = order.argsort().to(completion_ids.device)
+        completion_ids, sampling_logprobs = completion_ids[back], sampling_logprobs[back]
+    completion_ids, completion_mask, is_truncated = completion_ids_and_mask(completion_ids, eos_token_ids, pad)
+    if not return_logprobs:
+        return completion_ids, completion_mask, is_truncated
+    return completion_ids, completion_mask, is_truncated, sampling_logprobs * completion_mask
+
+
+class _SampledLogprobs:
+    """A logits processor for `generate` that records each sampled token's logprob under
+    softmax(logits / temperature). generate runs the processors it is given before its own
+    temperature, top-k and top-p warpers, so this one sees the model's raw float32 logits of each
+    step; the token drawn from them is known at the next call (the last column of input_ids), or,
+    for the last one, from generate's output (finish). Holds one step's [B, V] scaled logits, not
+    all of them (output_logits=True would keep max_new_tokens x [B, V] floats: 40 GB at qwen2.5's
+    vocabulary, 128 rows, 512 tokens)."""
+
+    def __init__(self, temperature):
+        self.temperature = temperature
+        self.logprobs, self.pending = [], None
+
+    def _take(self, token):
+        scaled, lse = self.pending
+        return scaled.gather(-1, token[:, None].to(scaled.device)).squeeze(-1) - lse
+
+    def __call__(self, input_ids, scores):
+        if self.pending is not None:
+            self.logprobs.append(self._take(input_ids[:, -1]))
+        scaled = scores.float() / self.temperature  # [B, V]
+        self.pending = (scaled, torch.logsumexp(scaled, dim=-1))
+        return scores
+
+    def finish(self, new_tokens):
+        """new_tokens [B, N] (generate's output after the prompt) -> their logprobs [B, N]; steps
+        generate ran and then undid (its deferred stop checks) are dropped."""
+        n = new_tokens.shape[1]
+        if len(self.logprobs) < n:
+            self.logprobs.append(self._take(new_tokens[:, -1]))
+        self.pending = None
+        return torch.stack(self.logprobs[:n], dim=1)
 
 
 @torch.no_grad()

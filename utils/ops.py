@@ -242,16 +242,30 @@ def plan_micro_batches(attention_mask, num_completion_tokens, rows=None, batch_s
 
 
 @torch.no_grad()
-def batched_completion_logprobs(model, input_ids, attention_mask, plan, temperature, chunk_size=0):
+def batched_completion_logprobs(model, input_ids, attention_mask, plan, temperature, chunk_size=0, entropy=False):
     """completion_logprobs without gradients over the micro-batches of `plan` -> [B, C]
-    (zeros in the columns past a micro-batch's longest completion)."""
+    (zeros in the columns past a micro-batch's longest completion); with `entropy` also the
+    per-token entropy [B, C] from the same forward."""
     B, C = input_ids.shape[0], plan[0].C
     out = torch.zeros(B, C, device=input_ids.device)
+    entropies = torch.zeros(B, C, device=input_ids.device) if entropy else None
     for mb in plan:
-        logprobs, _ = completion_logprobs(model, mb.window(input_ids), mb.window(attention_mask), mb.c, temperature,
-                                          chunk_size=chunk_size)
+        logprobs, ent = completion_logprobs(model, mb.window(input_ids), mb.window(attention_mask), mb.c, temperature,
+                                            entropy="metric" if entropy else None, chunk_size=chunk_size)
         out[mb.rows] = mb.pad(logprobs)
-    return out
+        if entropy:
+            entropies[mb.rows] = mb.pad(ent)
+    return (out, entropies) if entropy else out
+
+
+def pad_cat(tensors, value=0, left=False):
+    """Concatenate [n_i, L_i] tensors along the rows, each padded with `value` to the widest L (on
+    the left: left-padded prompts); tensors of other shapes are concatenated as they are."""
+    if tensors[0].dim() != 2 or len({t.shape[1] for t in tensors}) == 1:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+                      for t in tensors])
 
 
 def masked_sum(values, mask, dim=None):
