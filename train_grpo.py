@@ -420,7 +420,7 @@ def main(argv=None):
                                             args.system_prompt)
     checkpointer = Checkpointer(accelerator, args.output_dir, args.save_steps, args.save_total_limit,
                                 enabled=args.save_strategy != "no", save_on_error=args.save_on_error)
-    state = checkpointer.start(resume_path, {"total_skipped": 0, "skipped_in_a_row": 0, "generation_rounds": 0},
+    state = checkpointer.start(resume_path, {"total_skipped": 0, "skipped_in_a_row": 0},
                                data_position={"seed": args.seed, "prompts_per_step": args.prompts_per_step,
                                               "dataset_rows": len(dataset)})
     start_step = state.get("step", 0)
