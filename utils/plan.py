@@ -125,6 +125,13 @@ def load_shape(model) -> Shape:
     return Shape.from_config(getattr(config, "text_config", config))
 
 
+def _storage_bytes(args):
+    """(bytes per trained weight in --torch_dtype, bytes per quantised frozen weight with --load_in_4bit /
+    --load_in_8bit (with the scales) or None)."""
+    trained = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
+    return trained, (0.52 if args.load_in_4bit else 1.02 if args.load_in_8bit else None)
+
+
 def _optimizer_bytes_per_param(optim, weight_bytes):
     if optim == "adamw_torch":
         return 2 * weight_bytes  # two moments in the weights' dtype (fp32; bf16 for torchao's SR AdamW)
@@ -175,8 +182,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     gen_rows = min(args.generation_slice_size or rows, rows)
     backend = planned_backend(shape, args)
     mixed = args.mixed_precision != "no"  # auto is bf16 on a GPU
-    train_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
-    quant = 0.52 if args.load_in_4bit else 1.02 if args.load_in_8bit else None  # bytes per quantised weight
+    train_bytes, quant = _storage_bytes(args)  # bytes per trained weight, per quantised weight (or None)
     roles = ["actor"] + (["critic"] if algo == "ppo" else [])
     offloaded = 0
     if args.param_offload:
@@ -386,7 +392,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     elementwise = tokens * shape.layers * (34 * shape.hidden + 8 * shape.inter) * ELEMENTWISE_BYTES / bw
     adapters = 7 * shape.layers if lora else 0  # all-linear: q, k, v, o, gate, up, down
     unmeasured = []
-    trained_bytes = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
+    trained_bytes, quant = _storage_bytes(args)
     fp32_autocast = trained_bytes == 4 and args.mixed_precision != "no" and not (lora and bits)
 
     mm_mb = mm * mb_rows * T / (mb_rows * T + MB_TOKENS)  # the matmul rate at a micro-batch's size
@@ -460,9 +466,8 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
 
     uses_ref = (args.beta > 0) if algo == "grpo" else (args.kl_coef > 0 or args.target_kl is not None)
     if uses_ref:
-        ref_bits = bits  # the reference loads quantised with --load_in_4bit/8bit; with LoRA it is the base
-        t = forward(matmul_params, ref_bits)
-        ref_bytes = _frozen_bytes(shape, shape.params, 0.52 if bits == 4 else 1.02 if bits == 8 else None)
+        t = forward(matmul_params, bits)  # quantised with --load_in_4bit/8bit; with LoRA it is the policy's base
+        ref_bytes = _frozen_bytes(shape, shape.params, quant)
         if not lora and args.ref_device == "swap":
             t += ref_bytes / host
         elif not lora and args.ref_device == "offload":
@@ -474,8 +479,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     reward = rows * REWARD_FUNC_S
     if args.reward_model_name_or_path:
         reward += forward(shape.linear_params, bits)
-        body = _frozen_bytes(shape, shape.params - (0 if shape.tied else shape.embedding_params),
-                             0.52 if bits == 4 else 1.02 if bits == 8 else None)
+        body = _frozen_bytes(shape, shape.params - (0 if shape.tied else shape.embedding_params), quant)
         if args.reward_device == "swap":
             reward += body / host
         elif args.reward_device == "offload":
