@@ -521,8 +521,8 @@ def main(argv=None):
                 break
 
         # the step's batch: this process's share of groups, the rounds padded to common widths
-        generated_rewards_per_func = torch.cat([r["rewards_per_func"] for r in rounds])  # [rounds * B, F]
         if args.dynamic_sampling:
+            generated_rewards_per_func = torch.cat([r["rewards_per_func"] for r in rounds])  # [rounds * B, F]
             chosen = choose_groups(informative, local_prompts)  # [b]
             rows = (chosen[:, None] * G + torch.arange(G, device=chosen.device)).flatten()  # [B]
         else:
@@ -648,8 +648,11 @@ def main(argv=None):
         # 7. metrics: one reduction for the update sums, gathered tensors for the rest. The rewards are
         # those of every completion generated (all rounds): the policy's, not the chosen batch's
         global_sums = accelerator.reduce(sums, reduction="sum")
-        generated_rewards_per_func = accelerator.gather(generated_rewards_per_func)  # [rounds * N, F]
-        generated_rewards = (generated_rewards_per_func * reward_weights).nansum(dim=1)
+        if args.dynamic_sampling:  # every round's completions; with one round they are the batch, gathered above
+            generated_rewards_per_func = accelerator.gather(generated_rewards_per_func)  # [rounds * N, F]
+            generated_rewards = (generated_rewards_per_func * reward_weights).nansum(dim=1)
+        else:
+            generated_rewards_per_func, generated_rewards = all_rewards_per_func, all_rewards
         reward_history.append(generated_rewards.mean().item())
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             tokens = max(global_sums[3].item(), 1.0)
