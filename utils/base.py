@@ -1,6 +1,6 @@
 """Names and arithmetic that the runtime modules and the planner (utils/plan.py) both need: the
 generation backends, the static KV cache's length, GPU memory sizes and card budgets, which GPUs a
-process owns. It imports nothing of this project, so the planner can read flags and shapes without
+process owns, the optimizer step's slice. It imports nothing of this project, so the planner can read flags and shapes without
 loading any runtime code."""
 
 import re
@@ -15,6 +15,11 @@ def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
     """The static KV cache's length: prompt + new tokens rounded up to `multiple`, so that prompts of
     nearby lengths share one cache shape (and one captured graph)."""
     return -(-(prompt_len + max_new_tokens) // multiple) * multiple
+
+
+# torchao's optimizers step a parameter above this many elements one slice at a time (utils/optim.py), so
+# the step's temporaries (about 16 bytes an element) are bounded by the slice; the planner counts them so
+STEP_SLICE = 1 << 26
 
 
 # Cards as sold (GB = 1e9 bytes) -> what one process's caching allocator can use on them (GiB): the

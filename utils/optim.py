@@ -2,6 +2,8 @@
 
 import torch
 
+from utils.base import STEP_SLICE
+
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
@@ -41,7 +43,7 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch",
 
         cls = {"adamw_torch": torchao.optim._AdamW, "adamw_8bit": torchao.optim.AdamW8bit,
                "adamw_4bit": torchao.optim.AdamW4bit}[optim]
-        return cls(groups, **kwargs, bf16_stochastic_round=True)
+        return sliced_step(cls)(groups, **kwargs, bf16_stochastic_round=True)
     if optim == "adamw_torch":
         on_cuda = all(p.is_cuda for p in params)
         return torch.optim.AdamW(groups, **kwargs, fused=on_cuda or None)
@@ -53,8 +55,81 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch",
     if optim == "adamw_4bit":
         import torchao.optim
 
-        return torchao.optim.AdamW4bit(groups, **kwargs)
+        return sliced_step(torchao.optim.AdamW4bit)(groups, **kwargs)
     raise ValueError(f"unknown optimizer {optim}; expected one of {OPTIMIZERS}")
+
+
+# torchao steps each parameter in one compiled call whose temporaries (the float32 moments and weight, the int64
+# codes while re-quantising the moments) come to about 16 bytes per element: 8 GiB at once for a 7b embedding,
+# more than its 4-bit moments. Parameters above STEP_SLICE (utils/base.py, 2**26) elements are stepped one slice
+# at a time (a multiple of every block size, so each quantisation block lies in one slice): the same arithmetic
+# element for element, the temporaries bounded by the slice (about 1 GiB), as large as a 7b MLP matrix's.
+
+
+def _state_slice(state, start, stop):
+    """Elements [start, stop) of a flattened optimizer state: a view (writes reach the state)."""
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    if isinstance(state, OptimState4bit):  # two 4-bit codes per byte, one scale per block
+        bs = state.block_size
+        return OptimState4bit(state.codes[start // 2:stop // 2], state.scale[start // bs:stop // bs], state.qmap,
+                              state.signed, (stop - start,), dtype=state.dtype)
+    if isinstance(state, OptimState8bit):
+        codes, bs = state.codes.view(-1), state.block_size
+        return OptimState8bit(codes[start:stop], state.scale[start // bs:stop // bs], state.qmap, state.signed,
+                              dtype=state.dtype)
+    return state.view(-1)[start:stop]
+
+
+def sliced_step(cls):
+    """torchao's AdamW class `cls` with a step that takes parameters above STEP_SLICE elements one slice at a time
+    (torchao's own per-parameter update, torchao.optim.adam.single_param_adam, on each slice)."""
+    import torchao.optim.adam as adam
+    from torch.distributed.tensor import DTensor
+
+    class Sliced(cls):
+        @torch.no_grad()
+        def step(self, closure=None):
+            step_slice = STEP_SLICE
+            large = [p for g in self.param_groups for p in g["params"] if p.grad is not None
+                     and p.numel() > step_slice and not isinstance(p, DTensor) and p.is_contiguous()]
+            if not large:
+                return super().step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            grads = {p: p.grad for p in large}
+            for p in large:  # torchao's step skips them; its state is made here
+                p.grad = None
+            super().step()
+            compiled = torch.compile(adam.single_param_adam, fullgraph=True, dynamic=False)
+            with torch._dynamo.utils.disable_cache_limit():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p not in grads:
+                            continue
+                        p.grad, state = grads[p], self.state[p]
+                        if len(state) == 0:
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)
+                            if group["amsgrad"]:
+                                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                        state["step"] += 1
+                        flat_p, flat_grad = p.detach().view(-1), p.grad.view(-1)
+                        for start in range(0, p.numel(), step_slice):
+                            stop = min(start + step_slice, p.numel())
+                            moments = [None if state.get(k) is None else _state_slice(state[k], start, stop)
+                                       for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
+                            compiled(flat_p[start:stop], flat_grad[start:stop], state["step"], *moments,
+                                     group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
+                                     group["eps"], self.is_adamw, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+            return loss
+
+    Sliced.__name__ = Sliced.__qualname__ = cls.__name__  # checkpoints and messages name torchao's class
+    return Sliced
 
 
 def state_tensors(optimizer):

@@ -22,7 +22,7 @@ This module imports no runtime code (utils.base and utils.cli only; the scripts'
 import sys
 from dataclasses import dataclass
 
-from utils.base import (CAPTURED_BACKENDS, GIB, own_gpus, parse_memory, resolve_generation_backend,  # noqa: F401
+from utils.base import (CAPTURED_BACKENDS, GIB, STEP_SLICE, own_gpus, parse_memory, resolve_generation_backend,  # noqa: F401
                         static_cache_len)
 
 # the workload shapes (benchmarks/README.md); benchmarks/memory.py builds its models from these
@@ -252,11 +252,13 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     if args.logprob_chunk_size and not args.use_lora:  # the head's weight gradient, summed over chunks
         comp["update/logits"] += 2 * shape.vocab * shape.hidden * train_bytes
     comp["ref/logits"] = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD + layer_act // 2
-    # torchao's 4-bit step (compiled) allocates int64 buffers the size of the largest parameter (on the
-    # H200: 1.74 GiB for the 1.5b embedding, 4.06 GiB for the 7b one; both runs ran out of memory there)
+    # torchao's 4-bit step (compiled) allocates int64 buffers the size of the parameter it steps (on the H200,
+    # before utils/optim.py stepped large ones in slices: 1.74 GiB for the 1.5b embedding, 4.06 GiB for the 7b
+    # one; both runs ran out of memory there): the largest parameter or STEP_SLICE elements, the smaller
     embeddings_on_gpu = (1 if shape.tied else 2) - offloaded // shape.embedding_params
     largest = 0 if args.use_lora else shape.embedding_params if embeddings_on_gpu else shape.hidden * shape.inter
-    comp["update/optimizer_step"] = 16 * largest if args.optim == "adamw_4bit" else 0  # with what else was live there
+    stepped = min(largest, STEP_SLICE)
+    comp["update/optimizer_step"] = 16 * stepped if args.optim == "adamw_4bit" else 0  # with what else was live there
 
     other = {}  # another GPU -> its peak: the role's state plus its own pass
     if reward_elsewhere:

@@ -127,6 +127,48 @@ def test_optimizers_on_gpu_learn_and_bf16_moves_like_fp32(optim, dtype):
     assert moved == pytest.approx(1e-3, rel=0.15)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_step_of_a_7b_embedding_is_sliced_and_bounded(dtype):
+    """A 7b embedding (152064 x 3584): torchao's whole-parameter step takes its temporaries for every element at
+    once (int64 codes, float32 moments: 4.06 GiB of int64 alone ran a 48 GB run out of memory); stepped in
+    STEP_SLICE slices they are bounded by the slice (H200, 2026-12-01: 1.50 GiB, 24 bytes a slice element).
+    float32 weights: the sliced step equals torchao's whole one bit for bit, on a 2.5-slice parameter."""
+    import torchao.optim
+
+    from utils.base import STEP_SLICE
+    from utils.optim import build_optimizer
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(152064, 3584, device="cuda", dtype=dtype)
+    opt = build_optimizer(embedding, 1e-5, 0.0, "adamw_4bit")
+    embedding.weight.grad = torch.randn_like(embedding.weight) * 1e-3
+    opt.step()  # state made, compiled
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - before) / GIB
+    bound = 32 * STEP_SLICE / GIB  # 2 GiB; the whole parameter at 24 bytes an element would be 12 GiB
+    print(f"\nadamw_4bit {dtype} step of a 152064x3584 embedding: {extra:.2f} GiB above its weights, gradient and "
+          f"state (whole-parameter step at the same bytes an element: ~{extra * embedding.weight.numel() / STEP_SLICE:.1f}"
+          f" GiB; bound {bound:.1f})")
+    assert extra < bound
+    if dtype is torch.float32:  # a 2.5-slice parameter: sliced against torchao's own step
+        del opt, embedding
+        torch.cuda.empty_cache()
+        weight = torch.nn.Parameter(torch.randn(5 * STEP_SLICE // 2, device="cuda") * 0.02)
+        reference = torch.nn.Parameter(weight.detach().clone())
+        sliced = build_optimizer(torch.nn.ParameterList([weight]), 1e-3, 0.0, "adamw_4bit")
+        whole = torchao.optim.AdamW4bit([reference], lr=1e-3, weight_decay=0.0)
+        for _ in range(2):
+            grad = torch.randn_like(weight) * 1e-2
+            weight.grad, reference.grad = grad.clone(), grad.clone()
+            sliced.step()
+            whole.step()
+        assert torch.equal(weight, reference)
+
+
 SAME_MATH = ["--use_gradient_checkpointing", "--activation_offload", "--logprob_chunk_size", "256",
              "--use_dynamic_bsz", "--max_token_len_per_gpu", "2048", "--param_offload", "--empty_cache_between_phases"]
 

@@ -1,0 +1,79 @@
+"""The torchao optimizers step parameters above utils.optim.STEP_SLICE elements one slice at a time (their
+temporaries bounded by the slice): the same update as torchao's own whole-parameter step, checked against it."""
+import copy
+
+import pytest
+import torch
+
+from utils import optim
+
+
+def model_and_grads(dtype, seed=0):
+    torch.manual_seed(seed)
+    # a 64 x 384 embedding (24576 elements: 6 slices of 4096, the last one short when the slice is 5120) and
+    # a small linear layer that stays whole
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 384), torch.nn.Linear(384, 16)).to(dtype)
+    grads = [[torch.randn_like(p) * 1e-2 for p in model.parameters()] for _ in range(3)]
+    return model, grads
+
+
+def run_steps(model, opt, grads):
+    for step_grads in grads:
+        for p, g in zip(model.parameters(), step_grads):
+            p.grad = g.clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def state_of(opt, p):
+    return {k: (v.dequantize() if hasattr(v, "dequantize") else v).clone() for k, v in opt.state[p].items()}
+
+
+@pytest.mark.parametrize("slice_elements", [4096, 5120])
+def test_sliced_4bit_step_equals_torchaos_whole_step_bit_for_bit(monkeypatch, slice_elements):
+    import torchao.optim
+
+    model, grads = model_and_grads(torch.float32)
+    reference = copy.deepcopy(model)
+    monkeypatch.setattr(optim, "STEP_SLICE", slice_elements)
+    sliced = optim.build_optimizer(model, 1e-3, weight_decay=0.1, optim="adamw_4bit")
+    decay = [p for p in reference.parameters() if p.ndim >= 2]
+    whole = torchao.optim.AdamW4bit([{"params": decay, "weight_decay": 0.1},
+                                     {"params": [p for p in reference.parameters() if p.ndim < 2],
+                                      "weight_decay": 0.0}], lr=1e-3)
+    assert isinstance(sliced, torchao.optim.AdamW4bit) and type(sliced).__name__ == "AdamW4bit"
+    run_steps(model, sliced, grads)
+    run_steps(reference, whole, grads)
+    embedding, reference_embedding = model[0].weight, reference[0].weight
+    assert not torch.equal(embedding, model_and_grads(torch.float32)[0][0].weight)  # it moved
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    assert type(sliced.state[embedding]["exp_avg"]).__name__ == "OptimState4bit"  # quantised, sliced in place
+    for key, value in state_of(sliced, embedding).items():
+        assert torch.equal(value, state_of(whole, reference_embedding)[key]), key
+
+
+def test_sliced_8bit_bf16_step_keeps_the_moments_and_rounds_within_one_ulp(monkeypatch):
+    """bf16 weights: stochastic rounding draws other random numbers per slice, so after 3 steps the weights
+    agree to 3 bf16 steps (each step rounds to either side), the moments (weight decay 0: they see only the
+    gradients) exactly."""
+    import torchao.optim
+
+    model, grads = model_and_grads(torch.bfloat16)
+    reference, initial = copy.deepcopy(model), copy.deepcopy(model)
+    monkeypatch.setattr(optim, "STEP_SLICE", 4096)
+    sliced = optim.build_optimizer(model, 1e-3, optim="adamw_8bit")
+    whole = torchao.optim.AdamW8bit(reference.parameters(), lr=1e-3, weight_decay=0.0, bf16_stochastic_round=True)
+    run_steps(model, sliced, grads)
+    run_steps(reference, whole, grads)
+    for p, q, r in zip(model.parameters(), reference.parameters(), initial.parameters()):
+        # one bf16 step at the largest magnitude the weight had (>= the rounding step on its way to 0)
+        ulp = torch.finfo(torch.bfloat16).eps * torch.stack([p, q, r]).float().abs().amax(0)
+        assert ((p.float() - q.float()).abs() <= 3 * ulp).all()
+        assert not torch.equal(p, q) or p.numel() < 4096  # the sliced one drew other random numbers
+    for key, value in state_of(sliced, model[0].weight).items():
+        assert torch.equal(value, state_of(whole, reference[0].weight)[key]), key
+
+
+def test_the_default_slice_is_a_multiple_of_every_block_size():
+    assert optim.STEP_SLICE % 256 == 0 and optim.STEP_SLICE % 128 == 0 and optim.STEP_SLICE >= 3584 * 18944 // 2
