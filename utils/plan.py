@@ -346,7 +346,10 @@ OFFLOAD_STREAM, OFFLOAD_SETUP, PARAM_OFFLOAD = 0.15, 0.0124, 0.0436
 MB_TOKENS = 1024
 MB_LAYER_S = 0.27e-3
 ADAMW_4BIT_S = 0.44e-9  # per parameter: torchao's 4-bit step (its quantise/dequantise kernels)
-EMPTY_CACHE_S = 0.012  # per micro-batch pass with --empty_cache_between_phases (allocator churn; assumed)
+# --empty_cache_between_phases: the allocator grows its pool again once per phase (torch.cuda.empty_cache runs
+# after each phase, utils/memory.py PhaseTimer, not per micro-batch; assumed: 1.5b runs with and without it differ
+# by 0.1-0.4 s a step, recaptures included)
+EMPTY_CACHE_S = 0.05
 RECAPTURE_S = 0.15  # a captured decoder dropped and captured again per rollout (--empty_cache_between_phases; assumed)
 REWARD_FUNC_S = 0.3e-3  # per completion: decode the text and run a rule reward (assumed)
 
@@ -434,7 +437,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             moved = shape.embedding_params * (("embedding" in policy) + ("lm_head" in policy and not shape.tied))
             t += 3 * n_mb * moved * trained_bytes / (host * PARAM_OFFLOAD)
         if args.empty_cache_between_phases:
-            t += passes * n_mb * EMPTY_CACHE_S
+            t += EMPTY_CACHE_S
         return t
 
     phases = {}
@@ -963,10 +966,19 @@ TIME_HELD_OUT = [
 ]
 
 # benchmarks/budget.py's rows on one H200 under the enforced cap, 2026-12-01, measured after the time model
-# was fitted (held out): the flags are the mode's and those --auto_memory chose (the 7B rows and the PPO row
-# were planned before the 4-bit optimizer step's buffers were counted; the 1.5b 12GB row after)
+# was fitted (held out): the flags are the mode's and those --auto_memory chose (the 7b 80GB, LoRA, QLoRA and
+# PPO rows were planned before the 4-bit optimizer step's buffers were counted; the first 1.5b 12GB row after,
+# before torchao's step was sliced; the second 1.5b 12GB row and the 7b 48GB row after both)
 BUDGET_RUNS = [
-    dict(row="1.5b_full_12gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=9.57, step_time_s=38.09,
+    dict(row="1.5b_full_12gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=10.04, step_time_s=7.79,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
+                "--logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
+                "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4").split()),
+    dict(row="7b_full_48gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=38.29, step_time_s=30.02,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --optim adamw_4bit "
+                "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
+                "--per_device_train_batch_size 1").split()),
+    dict(row="1.5b_full_12gb (unsliced step)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=9.57, step_time_s=38.09,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
                 "--logprob_chunk_size 256 --optim adamw_8bit --param_offload --generation_backend hf "
                 "--ref_device swap --per_device_train_batch_size 4").split()),
