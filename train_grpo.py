@@ -503,7 +503,7 @@ def main(argv=None):
                 with checkpointer.user_code():  # the user's code: fails -> one block, the last finished step saved
                     rewards_per_func = reward_utils.score_completions(
                         reward_fns, completions, prompts, columns, home, completion_ids, completion_mask, step=step,
-                        max_steps=args.max_steps, epoch=step * args.prompts_per_step / len(dataset))
+                        max_steps=args.max_steps, epoch=(generation_rounds - 1) * args.prompts_per_step / len(dataset))
                 if args.overlong_buffer_len:
                     penalty = overlong_penalty(completion_mask.sum(1), args.max_completion_length,
                                                args.overlong_buffer_len, args.overlong_penalty_factor)  # [B]

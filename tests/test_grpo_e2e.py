@@ -213,6 +213,27 @@ def test_lora_policy_reference_without_a_copy_and_exact_resume(run, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")  # merged: plain from_pretrained loads it
 
 
+def test_reward_functions_see_the_epoch_of_the_prompts_they_score_with_dynamic_sampling(run, tmp_path):
+    """trainer_state.epoch is the data position of the round being scored (rounds of prompts drawn so far), not
+    step x prompts_per_step: a step of three rounds scores prompts a third and two thirds further on."""
+    (tmp_path / "recorder.py").write_text(
+        "def record(completions, trainer_state, **kwargs):\n"
+        f"    open({str(tmp_path / 'epochs.txt')!r}, 'a').write(f'{{trainer_state.global_step}} {{trainer_state.epoch!r}}\\n')\n"
+        "    return [0.0] * len(completions)\n")
+    result = run(["--debug", "--max_steps", "4", "--dynamic_sampling", "--max_generation_rounds", "3",
+                  "--reward_funcs", "accuracy," + str(tmp_path / "recorder.py") + ":record", "--output_dir",
+                  str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(tmp_path / "out")
+    calls = [line.split() for line in open(tmp_path / "epochs.txt")]
+    assert len(calls) == sum(r["dynamic_sampling/rounds"] for r in rows) > len(rows)  # some step drew 2+ rounds
+    per_round = float(calls[1][1])  # prompts_per_step / len(dataset)
+    assert per_round > 0
+    assert [float(e) for _, e in calls] == pytest.approx([k * per_round for k in range(len(calls))])
+    steps = [int(s) for s, _ in calls]
+    assert steps == sorted(steps) and len(set(steps)) == len(rows)
+
+
 def test_dynamic_sampling_sigterm_then_resume_equals_uninterrupted(tmp_path):
     """Dynamic sampling draws more prompts than the step count says: the data position (rounds drawn)
     is saved with the checkpoint, so the resumed run draws the prompts the uninterrupted one did."""
