@@ -101,6 +101,20 @@ def test_time_model_by_hand_for_one_decoding_step():
     assert slow > 3 * (512 * step)  # 4 slices of 32 rows: 4 x 512 steps, each reading all the weights
 
 
+def test_top_entropy_filtering_costs_the_old_logprob_pass_and_dynamic_sampling_says_what_it_leaves_out():
+    """--top_entropy_quantile with one iteration runs the no-grad pass of --num_iterations 2 for the tokens'
+    entropy (train_grpo.py step 5): the same seconds, under the phase name the script logs."""
+    shape = load_shape("qwen2.5-1.5b")
+    base = _workload(["--torch_dtype", "bfloat16", "--generation_backend", "compiled"])
+    plain = estimate_time(shape, base)
+    filtered = estimate_time(shape, apply_flags(base, ["--top_entropy_quantile", "0.2"]))
+    twice = estimate_time(shape, apply_flags(base, ["--num_iterations", "2"]))
+    assert "entropy" not in plain["phases"] and filtered["phases"]["entropy"] == twice["phases"]["old_logprobs"] > 0
+    assert filtered["step"] == pytest.approx(plain["step"] + filtered["phases"]["entropy"])
+    dynamic = estimate_time(shape, apply_flags(base, ["--dynamic_sampling"]))
+    assert dynamic["step"] == plain["step"] and any("--dynamic_sampling" in u for u in dynamic["unmeasured"])
+
+
 def test_kept_decoder_and_generation_copy_count_in_every_phase_until_emptied():
     """cudagraph/compiled keep their KV cache (length rounded up to 128) and --generation_copy its
     bf16 weights through the ref and update phases; --empty_cache_between_phases frees both."""

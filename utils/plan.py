@@ -496,6 +496,11 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
     elif args.num_iterations > 1:
         phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+    elif getattr(args, "top_entropy_quantile", 1.0) < 1:  # the same no-grad pass, run for the tokens' entropy
+        phases["entropy"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+    if getattr(args, "dynamic_sampling", False):  # at least one round; more depend on the rewards
+        unmeasured.append("--dynamic_sampling: one round of generation and rewards per step counted (more rounds "
+                          "add their generate and reward time each)")
     phases["actor_update"] = epochs * update(matmul_params, bits if lora else None, True)
     if algo == "ppo":
         phases["critic_update"] = epochs * update(shape.linear_params, bits if lora else None, False)
@@ -748,7 +753,8 @@ def apply_flags(args, flags):
             current = getattr(args, name)
             value = flags[i + 1]
             setattr(args, name, int(value) if isinstance(current, int) and not isinstance(current, bool)
-                    or (current is None and value.isdigit()) else value)
+                    or (current is None and value.isdigit()) else float(value) if isinstance(current, float)
+                    else value)
             i += 2
         else:
             setattr(args, name, True)
