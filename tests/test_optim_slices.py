@@ -53,7 +53,9 @@ def test_sliced_4bit_step_equals_torchaos_whole_step_bit_for_bit(monkeypatch, sl
         assert torch.equal(value, state_of(whole, reference_embedding)[key]), key
 
 
-def test_sliced_8bit_bf16_step_keeps_the_moments_and_rounds_within_one_ulp(monkeypatch):
+@pytest.mark.parametrize("name, torchao_class", [("adamw_8bit", "AdamW8bit"), ("adamw_4bit", "AdamW4bit"),
+                                                 ("adamw_torch", "_AdamW")])
+def test_sliced_bf16_step_keeps_the_moments_and_rounds_within_one_ulp_a_step(monkeypatch, name, torchao_class):
     """bf16 weights: stochastic rounding draws other random numbers per slice, so after 3 steps the weights
     agree to 3 bf16 steps (each step rounds to either side), the moments (weight decay 0: they see only the
     gradients) exactly."""
@@ -62,8 +64,10 @@ def test_sliced_8bit_bf16_step_keeps_the_moments_and_rounds_within_one_ulp(monke
     model, grads = model_and_grads(torch.bfloat16)
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)
     monkeypatch.setattr(optim, "STEP_SLICE", 4096)
-    sliced = optim.build_optimizer(model, 1e-3, optim="adamw_8bit")
-    whole = torchao.optim.AdamW8bit(reference.parameters(), lr=1e-3, weight_decay=0.0, bf16_stochastic_round=True)
+    sliced = optim.build_optimizer(model, 1e-3, optim=name)
+    whole = getattr(torchao.optim, torchao_class)(reference.parameters(), lr=1e-3, weight_decay=0.0,
+                                                  bf16_stochastic_round=True)
+    assert type(sliced).__name__ == torchao_class and isinstance(sliced, type(whole))
     run_steps(model, sliced, grads)
     run_steps(reference, whole, grads)
     for p, q, r in zip(model.parameters(), reference.parameters(), initial.parameters()):
