@@ -302,7 +302,8 @@ def main(argv=None):
     from utils.offload import ParamOffload, enable_activation_offload, resident
     from utils.ops import batched_completion_logprobs, completion_logprobs, pad_cat, plan_micro_batches
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
-    from utils.placement import Placement, place_model, placement_table, prepare_trained, resolve_placements
+    from utils.placement import (Placement, devices_used, place_model, placement_table, prepare_trained,
+                                 resolve_placements)
     from utils.plan import run_planner
 
     quiet_library_warnings()  # other libraries' start-up warnings that say nothing here (utils/cli.py)
@@ -341,9 +342,7 @@ def main(argv=None):
     except UsageError as e:
         fail(str(e))
     # --gpu_memory: the allocator of every GPU this process uses held to that budget (a smaller card's)
-    gpus_used = [accelerator.device] + [p.device for p in placements.values()] + [
-        f"cuda:{g}" for p in placements.values() for g in p.gpus]
-    for line in apply_memory_cap(args.gpu_memory, gpus_used):
+    for line in apply_memory_cap(args.gpu_memory, devices_used(accelerator.device, placements)):
         if is_main:
             print(line, flush=True)
     set_cpu_threads(accelerator.device, toy_model=args.model_name_or_path is None, verbose=is_main)  # CPU: printed

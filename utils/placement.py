@@ -87,6 +87,11 @@ def _parse_device(flag, value, gpus, num_gpus, local_processes):
     return None
 
 
+def devices_used(home, placements) -> list:
+    """Every device this process uses: its own, each role's, and every GPU a balanced role may split over."""
+    return [home] + [p.device for p in placements.values()] + [f"cuda:{g}" for p in placements.values() for g in p.gpus]
+
+
 def resolve_placements(specs: dict, default_device, offload_execution_device=None, num_processes=1):
     """specs: role -> flag value or None. Returns role -> Placement, or raises UsageError naming
     the flag, the value and the devices that exist. Needs no model."""
