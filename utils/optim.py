@@ -60,10 +60,10 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch",
 
 
 # torchao steps each parameter in one compiled call whose temporaries (the float32 moments and weight, the int64
-# codes while re-quantising the moments) come to about 16 bytes per element: 8 GiB at once for a 7b embedding,
-# more than its 4-bit moments. Parameters above STEP_SLICE (utils/base.py, 2**26) elements are stepped one slice
-# at a time (a multiple of every block size, so each quantisation block lies in one slice): the same arithmetic
-# element for element, the temporaries bounded by the slice (about 1 GiB), as large as a 7b MLP matrix's.
+# codes while re-quantising the moments) come to about 24 bytes per element (H200): 12 GiB at once for a 7b
+# embedding, more than its 4-bit moments. Parameters above STEP_SLICE (utils/base.py, 2**26) elements are stepped
+# one slice at a time (a multiple of every block size, so each quantisation block lies in one slice): the same
+# arithmetic element for element, the temporaries bounded by the slice (1.5 GiB), as a 7b MLP matrix's are.
 
 
 def _state_slice(state, start, stop):
@@ -118,7 +118,7 @@ def sliced_step(cls):
                             if group["amsgrad"]:
                                 state["max_exp_avg_sq"] = self._new_buffer(p, False)
                         state["step"] += 1
-                        flat_p, flat_grad = p.detach().view(-1), p.grad.view(-1)
+                        flat_p, flat_grad = p.detach().view(-1), p.grad.reshape(-1)  # the weight's view: written in place
                         for start in range(0, p.numel(), step_slice):
                             stop = min(start + step_slice, p.numel())
                             moments = [None if state.get(k) is None else _state_slice(state[k], start, stop)
