@@ -11,8 +11,8 @@ random-weight models from benchmarks/memory.py) with the row's training mode and
 --gpu_memory CARD` alone: the planner's flags, none chosen by hand. Each row's JSON
 (<out>/budget/<row>.json) holds the card, model and mode, the flags the planner chose, its estimated peak
 reserved and step time, the measured peak reserved (max over phases and steps), the median step time
-(steps 2..), completion tokens/s, the per-phase times, TRL 1.16's figure on the same workload and the
-row's target; budget.md and budget.png (step time against the card's budget, one line per model and
+(steps 2..), completion tokens/s, the per-phase times and peak memory, TRL 1.16's figure on the same
+workload and the row's target; budget.md and budget.png (step time against the card's budget, one line per model and
 mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
 sessions add up.
 """
@@ -85,7 +85,10 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
                mode_flags=mode_flags, planner_flags=chosen, estimated_peak_reserved_gib=est_gib,
                estimated_step_s=est_s, peak_reserved_gib=measured, peak_allocated_gib=result["peak_allocated_gib"],
                step_time_s=step, tokens_per_s=result["tokens_per_s"],
-               phases={p: v["time_s"] for p, v in result["phases"].items()}, slowest_phase=slowest, trl=trl,
+               phases={p: v["time_s"] for p, v in result["phases"].items()},
+               phase_peaks_gib={p: {"allocated": v["peak_allocated_gib"], "reserved": v["peak_reserved_gib"]}
+                                for p, v in result["phases"].items()},  # to check the estimate phase by phase
+               slowest_phase=slowest, trl=trl,
                trl_step_s=trl_s, target_step_s=target, verdict=verdict, status=result["status"], steps=steps,
                gpu=gpu_name, date=time.strftime("%Y-%m-%d"), command=result["command"])
     os.makedirs(os.path.join(out, "budget"), exist_ok=True)

@@ -14,6 +14,7 @@ def test_budget_rows_write_their_json_and_the_table(tmp_path):
         assert row["budget_gib"] == 21.0 and row["estimated_step_s"] is not None
         assert "--auto_reduce_micro_batch" in row["planner_flags"]  # what --auto_memory added, read off the log
         assert "--auto_memory --gpu_memory 24GB" in row["command"]
+        assert set(row["phase_peaks_gib"]) == set(row["phases"]) and "generate" in row["phases"]
     table = open(out / "budget" / "budget.md").read()
     assert table.count("\n") == 4 and "15.1 s at 18.5 GiB" in table
     assert (out / "budget" / "budget.png").stat().st_size > 5000
