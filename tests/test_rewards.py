@@ -142,6 +142,34 @@ def test_trl_arguments_and_conversational_completions():
     assert seen["kw"] == {"answer": ["2", "2"], "level": [1, 1]} and seen["prompts"] == prompts
 
 
+def test_trainer_state_is_made_only_for_a_function_that_may_read_it(monkeypatch):
+    """The built-ins and reward models read no trainer_state, so none is made for them (transformers' TrainerState
+    imports its trainer's dependencies: seconds at a run's first step); a function taking it, by name or through
+    **kwargs, gets it."""
+    from utils import rewards
+
+    made = []
+    monkeypatch.setattr(rewards, "trainer_state", lambda *a: made.append(a) or "state")
+    builtins = [("accuracy", rewards.accuracy), ("format", rewards.format)]
+    out = score_completions(builtins, ["#### 2", "3"], ["1+1="] * 2, {"answer": ["2", "2"]}, "cpu")
+    assert out.tolist() == [[1.0, 1.0], [0.0, 0.0]] and made == []
+
+    def narrow(completions, answer):
+        return [0.0] * len(completions)
+
+    score_completions(builtins + [("narrow", narrow)], ["2"], ["1+1="], {"answer": ["2"]}, "cpu")
+    assert made == []
+    seen = {}
+
+    def catch_all(completions, **kwargs):
+        seen.update(kwargs)
+        return [0.0] * len(completions)
+
+    score_completions(builtins + [("catch_all", catch_all)], ["2"], ["1+1="], {"answer": ["2"]}, "cpu", step=3,
+                      max_steps=9, epoch=0.25)
+    assert made == [(3, 9, 0.25)] and seen["trainer_state"] == "state"
+
+
 def test_all_none_rewards_warn_once_per_step(recwarn):
     def nothing(completions, **kw):
         return [None] * len(completions)

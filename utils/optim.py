@@ -149,12 +149,26 @@ def optimizer_state_bytes(optimizer) -> int:
 
 
 def build_scheduler(optimizer, name, num_training_steps, warmup_steps):
-    """transformers' schedule `name` with linear warmup over `warmup_steps` optimizer steps."""
-    from transformers import get_scheduler
+    """The learning-rate schedule `name` (SCHEDULERS) as transformers' get_scheduler computes it: a linear warmup over
+    `warmup_steps` optimizer steps, then constant, linear decay to 0 at `num_training_steps`, or a half cosine to 0.
+    Written here as torch's LambdaLR because importing transformers' schedules imports its trainer's dependencies
+    (peft, bitsandbytes: over a second at every start); tests/test_optim.py checks it against get_scheduler."""
+    import math
 
-    if name == "constant" and warmup_steps > 0:
-        name = "constant_with_warmup"
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=num_training_steps)
+    decay = max(1, num_training_steps - warmup_steps)
+
+    def factor(step):
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        if name in ("constant", "constant_with_warmup"):
+            return 1.0
+        if name == "linear":
+            return max(0.0, (num_training_steps - step) / decay)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - warmup_steps) / decay)))  # cosine, half a cycle
+
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown schedule {name}; expected one of {SCHEDULERS}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm, loss):

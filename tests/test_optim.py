@@ -1,5 +1,6 @@
-"""The torchao optimizers step parameters above utils.optim.STEP_SLICE elements one slice at a time (their
-temporaries bounded by the slice): the same update as torchao's own whole-parameter step, checked against it."""
+"""utils/optim.py. The torchao optimizers step parameters above utils.optim.STEP_SLICE elements one slice at a time
+(their temporaries bounded by the slice): the same update as torchao's own whole-parameter step, checked against it.
+The learning-rate schedules, written there, checked against transformers' get_scheduler."""
 import copy
 import io
 
@@ -102,3 +103,24 @@ def test_sliced_state_goes_through_a_state_dict_and_resumes_exactly(monkeypatch)
     run_steps(resumed_model, second, grads[2:])
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", optim.SCHEDULERS)
+@pytest.mark.parametrize("total, warmup", [(10, 0), (10, 3), (7, 7), (100, 10), (1, 0)])
+def test_schedules_equal_transformers_get_scheduler(name, total, warmup):
+    """The schedules utils/optim.py writes itself (to spare every run transformers' trainer imports) against
+    transformers' get_scheduler, step by step past the end."""
+    from transformers import get_scheduler
+
+    def lrs(make):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        sched, out = make(opt), []
+        for _ in range(total + 3):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    theirs = "constant_with_warmup" if name == "constant" and warmup else name
+    expected = lrs(lambda o: get_scheduler(theirs, o, num_warmup_steps=warmup, num_training_steps=total))
+    assert lrs(lambda o: optim.build_scheduler(o, name, total, warmup)) == pytest.approx(expected, abs=1e-12)
