@@ -8,6 +8,7 @@ from utils.base import CAPTURED_BACKENDS, static_cache_len
 from utils.memory import fake_oom_check
 from utils.modeling import uncompiled_blocks
 from utils.offload import resident, side_stream
+from utils.ops import pad_cat
 from utils.placement import model_input_device
 
 
@@ -351,9 +352,9 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
         if not keep_decoder:
             model.__dict__.pop("_lean_rl_decoder", None)
             policy.__dict__.pop("_lean_rl_generation_copy", None)
-    width = max(ids.shape[1] for ids, _ in slices)  # slices stop when their own rows finish
-    completion_ids = torch.cat([torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad) for ids, _ in slices])
-    sampling_logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for _, lp in slices])
+    # slices stop when their own rows finish: padded on the right to the widest
+    completion_ids = pad_cat([ids for ids, _ in slices], value=pad)
+    sampling_logprobs = pad_cat([lp for _, lp in slices])
     if order is not None:
         back = order.argsort().to(completion_ids.device)
         completion_ids, sampling_logprobs = completion_ids[back], sampling_logprobs[back]
