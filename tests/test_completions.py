@@ -35,6 +35,17 @@ def test_rows_per_completion_and_a_resumed_run_drops_later_rows(tmp_path, capsys
     assert (tmp_path / COMPLETIONS_FILE).read_text() == ""
 
 
+def test_a_resume_after_a_kill_drops_the_torn_last_row(tmp_path):
+    """kill -9 inside a write leaves half a line: the resumed run drops it (as metrics.jsonl's rows)."""
+    logger = CompletionLogger(one_process(), str(tmp_path), "none", 0)
+    for step in (1, 2):
+        log_step(logger, step)
+    with open(tmp_path / COMPLETIONS_FILE, "a") as f:
+        f.write('{"step": 3, "prompt": "1+')
+    CompletionLogger(one_process(), str(tmp_path), "none", 0, resumed_step=2)
+    assert [json.loads(line)["step"] for line in open(tmp_path / COMPLETIONS_FILE)] == [1, 1, 2, 2]
+
+
 def test_markdown_table_escapes_cells():
     table = markdown_table(["prompt", "reward"], [{"prompt": "a|b\nc", "reward": None}, {"prompt": "x", "reward": 1}])
     assert table.splitlines() == ["| prompt | reward |", "|---|---|", "| a\\|b\\nc | - |", "| x | 1.000 |"]

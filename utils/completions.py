@@ -21,12 +21,9 @@ class CompletionLogger:
         self.report_to = report_to
         self.num_to_print = num_to_print
         if accelerator.is_main_process:
-            rows = []
-            if resumed_step is not None and os.path.isfile(self.path):
-                with open(self.path) as f:
-                    rows = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
-            with open(self.path, "w") as f:
-                f.writelines(rows)
+            from utils.logger import keep_rows_up_to
+
+            keep_rows_up_to(self.path, resumed_step)  # as metrics.jsonl: torn last lines dropped too
 
     def log(self, step, prompts, completions, rewards_per_func, reward_names, rewards, advantages):
         """prompts, completions: this process's [b] lists; rewards_per_func [b, F] (NaN where a

@@ -22,6 +22,30 @@ def check_report_to(report_to):
         raise UsageError("--report_to wandb: the wandb package is not installed (pip install wandb)")
 
 
+def keep_rows_up_to(path, step):
+    """Drop the rows of the jsonl file `path` past `step` (logged after the checkpoint a run resumes
+    from, e.g. before a kill -9) and any torn last line; step 0 or None (a fresh run): an empty file.
+    Written to a new file, then renamed over the old one; raises OSError (the .tmp removed)."""
+    rows = []
+    if step and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                    rows.append(line if line.endswith("\n") else line + "\n")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(rows)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise
+
+
 class MetricsLogger:
     # (key, label) shown on the console line, in order, when present
     CONSOLE = (("reward/mean", "reward"), ("reward/std", "reward_std"), ("policy/kl", "kl"),
@@ -44,25 +68,9 @@ class MetricsLogger:
             accelerator.init_trackers(run_name, config=flat, init_kwargs=init_kwargs)
 
     def _keep_rows_up_to(self, step):
-        """Drop the rows past `step` (logged after the checkpoint a run resumes from, e.g. before a
-        kill -9) and any torn last line; written to a new file, then renamed over the old one."""
-        rows = []
-        if step and os.path.isfile(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue  # a line cut short by a kill
-                    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                        rows.append(line if line.endswith("\n") else line + "\n")
         try:
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(rows)
-            os.replace(self.path + ".tmp", self.path)
+            keep_rows_up_to(self.path, step)
         except OSError as e:
-            if os.path.exists(self.path + ".tmp"):
-                os.remove(self.path + ".tmp")
             self._write_failed(e)
 
     def _write_failed(self, e):
