@@ -260,9 +260,12 @@ def score_completions(reward_fns, completions, prompts, columns, device, complet
     kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=ids)
     # transformers' TrainerState drags in its trainer's imports (peft, bitsandbytes, deepspeed: 1.5 s or more at
     # a run's first step): made when a function may read it, not for the built-ins and reward models alone
-    ours = [fn in BUILTIN_REWARDS.values() or isinstance(fn, RewardModel) for _, fn in reward_fns]
-    if any(not own and (accepted_names(fn) is None or "trainer_state" in accepted_names(fn))
-           for own, (_, fn) in zip(ours, reward_fns)):
+    def may_read_state(fn):
+        names = accepted_names(fn)
+        return not (fn in BUILTIN_REWARDS.values() or isinstance(fn, RewardModel)) and (
+            names is None or "trainer_state" in names)
+
+    if any(may_read_state(fn) for _, fn in reward_fns):
         kwargs["trainer_state"] = trainer_state(step, max_steps, epoch)
     rewards = torch.zeros(len(completions), len(reward_fns), device=device)
     for j, (name, fn) in enumerate(reward_fns):
