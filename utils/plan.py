@@ -1004,6 +1004,16 @@ BUDGET_RUNS = [
     dict(row="7b_qlora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.55, step_time_s=29.17,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload "
                 "--logprob_chunk_size 256 --generation_backend compiled --per_device_train_batch_size 32").split()),
+    # this session: the two rows not run before (planned after both changes). 7b 12GB: its first rollout ran
+    # out of memory at the planned --generation_slice_size 64 and --auto_reduce_micro_batch went on with 32;
+    # the peak is step 1's failed try, the step time steps 2-3's at 32
+    dict(row="7b_qlora_12gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=10.43, step_time_s=52.59,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
+                "--generation_slice_size 64 --generation_backend compiled --empty_cache_between_phases").split()),
+    dict(row="ppo_7b_80gb", shape="qwen2.5-7b", algo="ppo", peak_reserved_gib=66.16, step_time_s=41.16,
+         flags=("--use_lora --torch_dtype bfloat16 --reward_model_name_or_path x --use_gradient_checkpointing "
+                "--logprob_chunk_size 1024 --generation_backend compiled --generation_copy "
+                "--empty_cache_between_phases --per_device_train_batch_size 32").split()),
     dict(row="ppo_1.5b_24gb", shape="qwen2.5-1.5b", algo="ppo", peak_reserved_gib=20.54, step_time_s=11.11,
          flags=("--reward_model_name_or_path x --torch_dtype bfloat16 --use_gradient_checkpointing "
                 "--torch_compile --logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
