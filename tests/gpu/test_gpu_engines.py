@@ -2,6 +2,7 @@
 process per config on one GPU, and two processes where two GPUs are visible. 3 steps each, a
 checkpoint at step 2, the final model loadable with from_pretrained; under DDP and ZeRO-2 the script
 itself checks that the ranks end with equal weights."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -20,6 +21,8 @@ SCRIPTS = {"train_grpo.py": ["--num_generations", "4"], "train_ppo.py": []}
 
 
 def launch(config, script, num_processes, args, timeout=600):
+    if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed here (requirements.txt installs it); the ZeRO configs need it")
     port = free_port()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", str(num_processes),
