@@ -493,7 +493,8 @@ def main(argv=None):
                         lambda: generate_completions(
                             unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids, args.generation_slice_size,
                             args.generation_backend, keep_decoder=not args.empty_cache_between_phases,
-                            from_copy=args.generation_copy, return_logprobs=True),
+                            from_copy=args.generation_copy, return_logprobs=True,
+                            prefill_chunk_size=args.prefill_chunk_size),
                         "generate", kind="generation")  # [B, C] x2, [B], [B, C]
 
             # 2. rewards: every function on every completion (then DAPO's overlong penalty, --overlong_buffer_len)

@@ -478,7 +478,8 @@ def main(argv=None):
                         unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
                         args.generation_slice_size, args.generation_backend,
                         keep_decoder=not args.empty_cache_between_phases, from_copy=args.generation_copy,
-                        return_logprobs=True), "generate", kind="generation")  # [B, C] x2, [B], [B, C]
+                        return_logprobs=True, prefill_chunk_size=args.prefill_chunk_size),
+                    "generate", kind="generation")  # [B, C] x2, [B], [B, C]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         C = completion_ids.shape[1]

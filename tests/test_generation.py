@@ -135,6 +135,34 @@ def test_slices_grouped_by_prompt_length_give_each_row_its_own_completion(backen
     assert [tuple(shape) for shape in prefills] == [(2, lengths[0]), (2, lengths[2]), (2, lengths[4])]
 
 
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_prefill_in_chunks_gives_the_same_tokens_and_logprobs(backend):
+    """--prefill_chunk_size 3: the left-padded prompts (9 positions; the shortest rows' first chunk is
+    all padding) go into the cache 3 positions per forward, and sampling at temperature 1 from the
+    same seed gives every row the tokens and sampling logprobs of the one-forward prefill."""
+    from utils.generation import build_generation_config, generate_completions
+
+    model, tokenizer, _, _ = _model_and_prompts()
+    enc = tokenizer(["1+2=", "123+456=", "7=", "10+1=", "99+99+99=", "5+5="], return_tensors="pt", padding=True,
+                    padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    assert ids.shape[1] == 9 and (mask[:, :3].sum(dim=1) == 0).any()
+    config = build_generation_config(10, 1.0, 1.0, 0, tokenizer.pad_token_id, [10**9])
+    torch.manual_seed(0)
+    whole = generate_completions(model, ids, mask, config, [10**9], backend=backend, return_logprobs=True)
+    torch.manual_seed(0)
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, inputs, output: widths.append(inputs[0].shape[1]))
+    chunked = generate_completions(model, ids, mask, config, [10**9], backend=backend, return_logprobs=True,
+                                   prefill_chunk_size=3)
+    hook.remove()
+    assert widths[:4] == [3, 3, 3, 1]  # three prefill chunks, then one token per decoding step
+    assert len({tuple(row) for row in whole[0].tolist()}) > 3
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    torch.testing.assert_close(chunked[3], whole[3], rtol=0, atol=1e-5)
+
+
 def test_packed_gqa_attention_equals_sdpa_with_repeated_heads():
     """One query token, 12 query heads over 2 key/value heads, a padding mask: the packed
     attention equals SDPA on keys and values repeated per query head (what transformers runs)."""

@@ -137,6 +137,36 @@ def test_shrinker_zeroes_partial_gradients_before_the_retry():
         MicroBatchShrinker(args, True, rows=8).retry(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError()), "x")
 
 
+def test_generation_out_of_memory_first_chunks_the_prefill_then_halves_the_slices():
+    """A rollout that runs out of memory: with prompts longer than 64 positions the first retry
+    prefills them 64 at a time (the slices stay), the next ones halve the slices; with short prompts
+    the slices halve at once."""
+    from types import SimpleNamespace
+
+    from utils.memory import MicroBatchShrinker
+
+    def rollout(fits):
+        def fn():
+            if not fits(args):
+                raise torch.OutOfMemoryError("rollout too big")
+            return args.prefill_chunk_size, args.generation_slice_size
+        return fn
+
+    args = SimpleNamespace(generation_slice_size=None, prefill_chunk_size=None, max_prompt_length=256)
+    shrink = MicroBatchShrinker(args, True, rows=128)
+    assert shrink.retry(rollout(lambda a: a.prefill_chunk_size), "generate", kind="generation") == (64, None)
+    assert shrink.reductions == 1
+    args = SimpleNamespace(generation_slice_size=None, prefill_chunk_size=None, max_prompt_length=256)
+    shrink = MicroBatchShrinker(args, True, rows=128)
+    assert shrink.retry(rollout(lambda a: (a.generation_slice_size or 128) <= 32), "generate",
+                        kind="generation") == (64, 32)
+    assert shrink.reductions == 3  # chunked, then 64, then 32
+    args = SimpleNamespace(generation_slice_size=None, prefill_chunk_size=None, max_prompt_length=48)
+    shrink = MicroBatchShrinker(args, True, rows=128)
+    assert shrink.retry(rollout(lambda a: (a.generation_slice_size or 128) <= 64), "generate",
+                        kind="generation") == (None, 64)
+
+
 def test_auto_reduce_is_one_process_only():
     import train_grpo
     from utils.cli import UsageError, parse_args

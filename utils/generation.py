@@ -1,5 +1,6 @@
 """Sampling completions with `generate` and marking where each one ends."""
 
+import copy
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -56,24 +57,26 @@ def sample_from(logits, generator=None):
 
 @torch.no_grad()
 def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, eos_token_ids,
-                          pad_token_id, step_mode="eager", greedy=False, check_every=16, return_logprobs=False):
+                          pad_token_id, step_mode="eager", greedy=False, check_every=16, return_logprobs=False,
+                          prefill_chunk_size=None):
     """--generation_backend static / cudagraph / compiled: the same sampling as `generate`
     (sampling_logits) from a static KV cache, so every decoding step has the same shapes and the
     step can be replayed as one CUDA graph (step_mode cudagraph: the eager step captured;
     compiled: the torch.compile'd step captured; on a CPU, eager and compiled-without-graph). No
     host synchronisation per token: whether every row has finished is asked every `check_every`
-    steps. Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
+    steps. prefill_chunk_size (--prefill_chunk_size): the prompts go into the cache that many positions
+    per forward. Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
     return_logprobs each one's logprob [B, N] as the step sampled it (see _pick; 0 after EOS)."""
     cache_len = static_cache_len(input_ids.shape[1], max_new_tokens)
     with packed_gqa_decoding(model):
         tokens, logprobs = _static_loop(model, input_ids, attention_mask, max_new_tokens,
                                         (temperature, top_k, top_p, greedy), eos_token_ids, pad_token_id, step_mode,
-                                        check_every, cache_len)
+                                        check_every, cache_len, prefill_chunk_size)
     return (tokens, logprobs) if return_logprobs else tokens
 
 
 def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_ids, pad_token_id, step_mode,
-                 check_every, cache_len):
+                 check_every, cache_len, prefill_chunk_size=None):
     B, P = input_ids.shape
     device = input_ids.device
     cache, step = _decoder(model, B, cache_len, sampling, step_mode, device)
@@ -81,9 +84,15 @@ def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos
     mask[:, :P] = attention_mask
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding
     eos = torch.tensor(eos_token_ids, device=device)
-    # prefill: only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits)
-    logits = model(input_ids=input_ids, attention_mask=mask[:, :P], position_ids=positions, past_key_values=cache,
-                   cache_position=torch.arange(P, device=device), use_cache=True, logits_to_keep=1).logits[:, -1]
+    # prefill, `chunk` positions per forward (each chunk's queries see the cache up to their own
+    # position); only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits)
+    chunk = min(prefill_chunk_size or P, P)
+    for start in range(0, P, chunk):
+        end = min(start + chunk, P)
+        logits = model(input_ids=input_ids[:, start:end], attention_mask=mask[:, :end],
+                       position_ids=positions[:, start:end], past_key_values=cache,
+                       cache_position=torch.arange(start, end, device=device), use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
     token, logprob = _pick(logits, *sampling)
     cache_positions = torch.arange(P, P + max_new_tokens, device=device)  # sliced per step: no host-to-device copy
     position = positions[:, -1:] + 1
@@ -285,7 +294,8 @@ def _keys_as_values_class(cls):
 
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
-                         backend="hf", keep_decoder=True, from_copy=False, return_logprobs=False):
+                         backend="hf", keep_decoder=True, from_copy=False, return_logprobs=False,
+                         prefill_chunk_size=None):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_slice_size: a smaller KV cache; default all at once; the slices grouped by
     prompt length), with `generate`
@@ -294,7 +304,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     (--empty_cache_between_phases): those two drop their KV cache and graph after the rollout,
     so the next phases get that memory back, and capture them again at the next rollout.
     from_copy (--generation_copy): generate from generation_copy(model) instead (dropped after
-    the rollout too with keep_decoder=False).
+    the rollout too with keep_decoder=False). prefill_chunk_size (--prefill_chunk_size): the prompts
+    are prefilled that many positions per forward (hf: generate's own prefill_chunk_size).
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
@@ -332,6 +343,10 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                 if backend == "hf":
                     from transformers import LogitsProcessorList
 
+                    if prefill_chunk_size and prefill_chunk_size < ids.shape[1]:
+                        generation_config = copy.copy(generation_config)
+                        generation_config.prefill_chunk_size = prefill_chunk_size
+
                     recorder = _SampledLogprobs(generation_config.temperature or 1.0)
                     new = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
                                          logits_processor=LogitsProcessorList([recorder]))[:, ids.shape[1]:]
@@ -345,7 +360,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                     step_mode = {"static": "eager"}.get(backend, backend) if device.type == "cuda" else "eager"
                     new, new_logprobs = static_cache_generate(
                         model, ids, mask, gc.max_new_tokens, gc.temperature, gc.top_p or 1.0, gc.top_k or 0,
-                        eos_token_ids, gc.pad_token_id, step_mode=step_mode, return_logprobs=True)
+                        eos_token_ids, gc.pad_token_id, step_mode=step_mode, return_logprobs=True,
+                        prefill_chunk_size=prefill_chunk_size)
                 slices.append((new.to(prompt_ids.device), new_logprobs.float().to(prompt_ids.device)))
     finally:
         model.train(was_training)

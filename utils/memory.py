@@ -421,10 +421,14 @@ def fake_oom_check(rows):
         raise torch.OutOfMemoryError(f"(injected by LEAN_RL_FAKE_OOM_ROWS={limit}: {rows} rows)")
 
 
+PREFILL_CHUNK = 64  # what --auto_reduce_micro_batch sets --prefill_chunk_size to before halving slices
+
+
 class MicroBatchShrinker:
     """--auto_reduce_micro_batch: a pass that runs out of memory is redone with half the
     micro-batch (--per_device_train_batch_size, or --max_token_len_per_gpu with --use_dynamic_bsz;
-    for generation, --generation_slice_size), down to one sequence; the smaller size stays for
+    for generation, first --prefill_chunk_size 64 where the prompts are longer, which costs little
+    time, then --generation_slice_size), down to one sequence; the smaller size stays for
     later steps. The caller's pass starts from scratch (gradients zeroed first), so no sample is
     lost or counted twice and the accumulated gradient is exact."""
 
@@ -432,10 +436,14 @@ class MicroBatchShrinker:
         self.args, self.enabled, self.rows = args, enabled, rows
         self.reductions = 0
 
+    def _can_chunk_prefill(self):
+        a = self.args
+        return getattr(a, "prefill_chunk_size", None) is None and getattr(a, "max_prompt_length", 0) > PREFILL_CHUNK
+
     def _can_shrink(self, kind):
         a = self.args
         if kind == "generation":
-            return (a.generation_slice_size or self.rows) > 1
+            return self._can_chunk_prefill() or (a.generation_slice_size or self.rows) > 1
         if a.use_dynamic_bsz:
             return a.max_token_len_per_gpu > a.max_prompt_length + a.max_completion_length
         return a.per_device_train_batch_size > 1
@@ -444,7 +452,9 @@ class MicroBatchShrinker:
         import warnings
 
         a = self.args
-        if kind == "generation":
+        if kind == "generation" and self._can_chunk_prefill():
+            flag, value = "prefill_chunk_size", PREFILL_CHUNK
+        elif kind == "generation":
             flag, value = "generation_slice_size", max((a.generation_slice_size or self.rows) // 2, 1)
         elif a.use_dynamic_bsz:
             flag = "max_token_len_per_gpu"
