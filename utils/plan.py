@@ -473,6 +473,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     prefill = 2 * matmul_params * rows * P / mm
     chunk = min(args.prefill_chunk_size or P, P)
     if chunk < P:  # --prefill_chunk_size: smaller forwards (a lower matmul rate), one more pass per chunk
+        unmeasured.append("--prefill_chunk_size's smaller prefill forwards (counted as micro-batch passes)")
         whole, part = slice_rows * P, slice_rows * chunk
         prefill *= (part + MB_TOKENS) / part * whole / (whole + MB_TOKENS)
         prefill += slices * (-(-P // chunk) - 1) * shape.layers * MB_LAYER_S
