@@ -63,6 +63,13 @@ def planned(log_text):
             float(est.group(2)) if est else None)
 
 
+def reductions(log_text):
+    """What --auto_reduce_micro_batch changed during the run (phase: flag value), read off its warnings: the
+    flags the measured steps ran with differ from the plan's by these."""
+    return [f"{phase}: {flag}" for phase, flag in re.findall(r"out of memory in (\w+): retrying with (--\S+ \S+)",
+                                                               log_text)]
+
+
 def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
     row_shape, script, mode, card, mode_flags, trl, trl_s, target = ROWS[name]
     shape = shape or row_shape
@@ -82,7 +89,8 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
     slowest = max(result["phases"].items(), key=lambda kv: kv[1]["time_s"] or 0)[0] if result["phases"] else None
     row = dict(row=name, shape=shape, script=script, mode=mode, card=card,
                budget_gib=parse_memory(card) / GIB if card else None, cap_gib=float(cap.group(1)) if cap else None,
-               mode_flags=mode_flags, planner_flags=chosen, estimated_peak_reserved_gib=est_gib,
+               mode_flags=mode_flags, planner_flags=chosen, runtime_reductions=reductions(log),
+               estimated_peak_reserved_gib=est_gib,
                estimated_step_s=est_s, peak_reserved_gib=measured, peak_allocated_gib=result["peak_allocated_gib"],
                step_time_s=step, tokens_per_s=result["tokens_per_s"],
                phases={p: v["time_s"] for p, v in result["phases"].items()},
@@ -119,6 +127,8 @@ def markdown(rows):
                 r["estimated_step_s"] else fmt(r["step_time_s"], ".2f") + " s" if r["step_time_s"] else r["status"])
         mem = f"{fmt(r['peak_reserved_gib'])} ({fmt(r['estimated_peak_reserved_gib'], '.1f')})"
         flags = f"`{r['planner_flags']}`" if r["planner_flags"] else ""
+        if r.get("runtime_reductions"):  # out of memory under the cap, shrunk by --auto_reduce_micro_batch
+            flags += "; out of memory, then " + ", ".join(f"`{x}`" for x in r["runtime_reductions"])
         lines.append("| " + " | ".join([f"{r['shape']} {r['mode']}" + (" W-PPO" if r["script"] == "ppo" else ""),
                                         card, r["trl"], f"<= {r['target_step_s']} s", step, mem,
                                         fmt(r["tokens_per_s"], ".0f"), r["verdict"], r["slowest_phase"] or "",

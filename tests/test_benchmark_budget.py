@@ -24,6 +24,14 @@ def test_budget_rows_write_their_json_and_the_table(tmp_path):
     assert [r["row"] for r in rows] == ["1.5b_full_24gb", "ppo_1.5b_24gb"] and (out / "budget" / "budget.md").exists()
 
 
+def test_reductions_read_what_the_run_shrank_off_its_log():
+    log = ("UserWarning: out of memory in generate: retrying with --prefill_chunk_size 64 (kept for the rest of the run)\n"
+           "  warnings.warn(...)\nUserWarning: out of memory in generate: retrying with --generation_slice_size 32 "
+           "(kept for the rest of the run)\n")
+    assert budget.reductions(log) == ["generate: --prefill_chunk_size 64", "generate: --generation_slice_size 32"]
+    assert budget.reductions("plan: fits as it is\n") == []
+
+
 def test_planned_reads_the_plan_off_a_log():
     log = ("plan: --torch_dtype bfloat16 --optim adamw_8bit\n  numerics changed: ...\n"
            "estimated with the plan: peak reserved 19.0 GiB, step 5.3 s (generate 2.19)\n")
