@@ -5,9 +5,14 @@
     python benchmarks/decode_step.py --shape tiny --rows 4 --prompt_length 8     # CPU smoke test
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
                                                    # the workload's 768-position cache, and where the time goes
+    python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora,lora --rows 32,64,128
+                                                   # QLoRA / LoRA as the scripts decode them, by rows per slice
 
 A random-weight model of the shape (benchmarks/memory.py's config, SDPA attention) is built on
-the device, in bf16 and/or in float32 under bf16 autocast (the scripts' default numerics). Each
+the device, in bf16 and/or in float32 under bf16 autocast (the scripts' default numerics), or as the
+scripts load `--use_lora` (lora: bf16 base; qlora: `--load_in_4bit`, bitsandbytes NF4) with an r16
+adapter on every Linear, decoding through the unmerged adapter under bf16 autocast (these two are
+saved to --cache_dir first and loaded with the scripts' loader). --rows takes a comma list. Each
 backend generates through the scripts' own generate_completions `--short` and `--long` new tokens from the same prompts (after one warm-up
 rollout, which compiles and captures); the time per decoding step is the difference divided by
 the difference in tokens, so the prefill and the one-off costs drop out. Printed with the
@@ -41,8 +46,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES))
     parser.add_argument("--backends", default="static,cudagraph,compiled,hf")
-    parser.add_argument("--dtypes", default="bf16,fp32", help="bf16 weights, and/or float32 weights under bf16 autocast")
-    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--dtypes", default="bf16,fp32",
+                        help="bf16 weights, float32 weights under bf16 autocast, lora (bf16 base + r16 adapters), "
+                             "qlora (NF4 base + r16 adapters); comma list")
+    parser.add_argument("--rows", default="128", help="rows decoded at once (a generation slice); comma list")
+    parser.add_argument("--cache_dir", default="/tmp/lean_rl_bench", help="where lora/qlora's random model is saved")
     parser.add_argument("--prompt_length", type=int, default=256)
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=80)
@@ -53,6 +61,13 @@ def main(argv=None):
         parser.error("--short and --long: 0 < short < long")
     if args.profile < 0:
         parser.error(f"--profile {args.profile}: the number of kernels to print, 0 (no profile) or more")
+    unknown = set(args.dtypes.split(",")) - {"bf16", "fp32", "lora", "qlora"}
+    if unknown:
+        parser.error(f"--dtypes {args.dtypes}: {', '.join(sorted(unknown))} unknown; bf16, fp32, lora, qlora")
+    try:
+        row_counts = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows {args.rows}: a comma list of row counts, e.g. 32,64,128")
     cache = [static_cache_len(args.prompt_length, n) for n in (args.short, args.long)]
     if cache[0] != cache[1]:
         parser.error(f"--short {args.short} and --long {args.long} give static caches of {cache[0]} and {cache[1]} "
@@ -62,9 +77,6 @@ def main(argv=None):
     config = shape_config(args.shape)
     config._attn_implementation = "sdpa"
     shape = load_shape(args.shape)
-    torch.manual_seed(0)
-    ids = torch.randint(0, config.vocab_size - 2, (args.rows, args.prompt_length), device=device)
-    mask = torch.ones_like(ids)
     ceilings = measure_ceilings(on_gpu)
     print(f"device: {ceilings['device']} | {ceilings['bandwidth_gb_s']:.0f} GB/s | shape {args.shape} | "
           f"{args.rows} rows x {args.prompt_length}-token prompts", flush=True)
@@ -80,15 +92,24 @@ def main(argv=None):
         return time.perf_counter() - start
 
     for dtype in args.dtypes.split(","):
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        if dtype in ("lora", "qlora"):
+            model = adapted_model(args.shape, dtype, args.cache_dir, device)
+        else:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         model.eval()
         if dtype != "bf16" and on_gpu:
             model.forward = torch.autocast(device, dtype=torch.bfloat16)(model.forward)  # as accelerate's prepare
-        weight_bytes = shape.params * (2 if dtype == "bf16" else 4)  # under autocast the float32 weights are read
+        # what one step reads: under autocast the float32 weights; NF4 linears at half a byte (their scales left out)
+        weight_bytes = (shape.linear_params / 2 + (shape.params - shape.linear_params) * 2 if dtype == "qlora"
+                        else shape.params * (4 if dtype == "fp32" else 2))
         context = args.prompt_length + (args.short + args.long) / 2
-        floor_ms = (weight_bytes + args.rows * context * kv_bytes_per_token(shape)) / ceilings["bandwidth_gb_s"] / 1e6
-        for backend in args.backends.split(","):
+        for rows, backend in [(r, b) for b in args.backends.split(",") for r in row_counts]:
+            torch.manual_seed(0)
+            ids = torch.randint(0, config.vocab_size - 2, (rows, args.prompt_length), device=device)
+            mask = torch.ones_like(ids)
+            floor_ms = (weight_bytes + rows * context * kv_bytes_per_token(shape)) / ceilings["bandwidth_gb_s"] / 1e6
+
             def rollout(n):  # as the scripts generate; no eos id matches, so every row runs n tokens
                 generation_config = build_generation_config(n, 1.0, 1.0, 0, config.pad_token_id, [10**9])
                 generate_completions(model, ids, mask, generation_config, [10**9], backend=backend)
@@ -96,7 +117,7 @@ def main(argv=None):
             short, long = seconds(lambda: rollout(args.short)), seconds(lambda: rollout(args.long))
             step_ms = (long - short) / (args.long - args.short) * 1e3
             allocated = torch.cuda.memory_allocated() / 2**30 if on_gpu else float("nan")
-            print(f"{dtype:5s} {backend:10s} {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
+            print(f"{dtype:5s} {backend:10s} {rows:4d} rows {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
                   f"({floor_ms / step_ms:.0%}) | first rollout {first:.1f} s | allocated after {allocated:.2f} GiB",
                   flush=True)
             if args.profile:
@@ -107,6 +128,26 @@ def main(argv=None):
         torch._dynamo.reset()
         if on_gpu:
             torch.cuda.empty_cache()
+
+
+def adapted_model(shape, kind, cache_dir, device):
+    """The random-weight model of `shape`, saved once under cache_dir and loaded as the scripts load
+    --use_lora (lora: bf16; qlora: --load_in_4bit onto `device`), with r16 adapters on every Linear."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.memory import build_model, cached
+    from utils.modeling import apply_lora, load_causal_lm
+
+    on_gpu = device == "cuda"
+    folder = cached(os.path.join(cache_dir, f"{shape}-{'bf16' if on_gpu else 'fp32'}"),
+                    lambda path: build_model(shape, path, on_gpu))
+    model = load_causal_lm(folder, SimpleNamespace(pad_token_id=None), torch.bfloat16,
+                           quantization="4bit" if kind == "qlora" else None, device=device)
+    if kind == "lora":
+        model = model.to(device)
+    return apply_lora(model, r=16, alpha=32, dropout=0.0, target_modules="all-linear")
 
 
 def print_profile(short_rollout, long_rollout, steps, top, on_gpu):

@@ -72,3 +72,18 @@ def test_decode_step_benchmark_runs_on_the_cpu(capsys):
     with pytest.raises(SystemExit):
         decode_step.main(["--shape", "tiny", "--profile", "-1"])
     assert "--profile -1: the number of kernels to print" in capsys.readouterr().err
+
+
+def test_decode_step_benchmark_decodes_lora_and_qlora_by_rows_on_the_cpu(capsys, tmp_path):
+    """--dtypes lora,qlora: the random model saved once and loaded as the scripts load --use_lora (NF4 for
+    qlora) with r16 adapters; one line per row count of --rows."""
+    from benchmarks import decode_step
+
+    decode_step.main(["--shape", "tiny", "--rows", "2,3", "--prompt_length", "4", "--short", "2", "--long", "4",
+                      "--backends", "static", "--dtypes", "lora,qlora", "--cache_dir", str(tmp_path)])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if "ms per step" in line]
+    assert [(line[0], line[2]) for line in lines] == [("lora", "2"), ("lora", "3"), ("qlora", "2"), ("qlora", "3")]
+    assert (tmp_path / "tiny-fp32" / ".complete").exists()
+    with pytest.raises(SystemExit):
+        decode_step.main(["--shape", "tiny", "--dtypes", "int3"])
+    assert "--dtypes int3: int3 unknown; bf16, fp32, lora, qlora" in capsys.readouterr().err
