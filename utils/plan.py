@@ -53,7 +53,8 @@ PREFILL_BYTES = 12
 # counted, not fitted: the prefill's MLP holds three [prompt tokens, intermediate] bf16 tensors at once
 # (act(gate), up and their product), 6 bytes per prompt token x intermediate. Added after the H200's
 # per-phase peaks showed generation short by 1.2-4.2 GiB at 7b (80GB full, W-PPO 7b, LoRA and QLoRA
-# rows; the 7b QLoRA 12GB row ran out of memory there); with it those five phases are within 5%
+# rows; the 7b QLoRA 12GB row ran out of memory there); with it the six generation phases of PHASE_PEAKS
+# are within 5%
 PREFILL_INTER_BYTES = 6
 
 
