@@ -371,7 +371,7 @@ def main(argv=None):
     # --generation_backend auto: the compiled, captured decoding step where the weights stay put on a GPU
     args.generation_backend, backend_reason = resolve_generation_backend(
         args.generation_backend, placements["actor"].device.type, placements["actor"].kind, engine, args.param_offload,
-        args.generation_copy, sum(p.numel() for p in actor.parameters()))
+        args.generation_copy, sum(p.numel() for p in actor.parameters()), args.kv_cache_dtype)
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
     use_ref = args.kl_coef > 0 or args.target_kl is not None
@@ -478,7 +478,8 @@ def main(argv=None):
                         unwrapped_actor, prompt_ids, prompt_mask, generation_config, eos_ids,
                         args.generation_slice_size, args.generation_backend,
                         keep_decoder=not args.empty_cache_between_phases, from_copy=args.generation_copy,
-                        return_logprobs=True, prefill_chunk_size=args.prefill_chunk_size),
+                        return_logprobs=True, prefill_chunk_size=args.prefill_chunk_size,
+                        kv_cache_dtype=args.kv_cache_dtype),
                     "generate", kind="generation")  # [B, C] x2, [B], [B, C]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)

@@ -39,6 +39,10 @@ ROWS = {
     "qlora_copy": ("compiled captured step on a dequantised, merged bf16 copy (--generation_copy)",
                    "bitsandbytes 4-bit + LoRA", ["--use_lora", "--load_in_4bit", "--generation_backend", "compiled",
                                                  "--generation_copy"]),
+    "compiled_fp8kv": ("compiled captured step, keys and values in an fp8 cache (--kv_cache_dtype fp8)",
+                       "same weights, bf16 autocast", ["--generation_backend", "compiled", "--kv_cache_dtype", "fp8"]),
+    "qlora_fp8kv": ("compiled captured step through 4-bit + LoRA, fp8 KV cache", "bitsandbytes 4-bit + LoRA",
+                    ["--use_lora", "--load_in_4bit", "--generation_backend", "compiled", "--kv_cache_dtype", "fp8"]),
 }
 PROMPTS_PER_STEP = 4
 

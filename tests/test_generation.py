@@ -163,6 +163,46 @@ def test_prefill_in_chunks_gives_the_same_tokens_and_logprobs(backend):
     torch.testing.assert_close(chunked[3], whole[3], rtol=0, atol=1e-5)
 
 
+def test_fp8_codes_round_trip_within_e4m3_rounding():
+    """--kv_cache_dtype fp8's storage: each vector scaled to e4m3's range, so the error is e4m3's
+    rounding (3 mantissa bits: at most 2^-4 of the value, or half the smallest subnormal step of the
+    vector's scale) at any magnitude; an all-zero (empty) position reads as 0."""
+    from utils.generation import FP8_MAX, fp8_codes, from_fp8_codes
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 50, 16) * torch.tensor([1e-3, 1.0, 300.0]).view(1, 3, 1, 1)
+    codes = fp8_codes(x)
+    assert codes.dtype == torch.uint8 and codes.shape == (4, 3, 50, 20)
+    y = from_fp8_codes(codes, torch.float32)
+    bound = 2**-4 * x.abs() + x.abs().amax(dim=-1, keepdim=True) * 2**-10 / FP8_MAX
+    assert torch.all((y - x).abs() <= bound) and (y - x).abs().max() > 0
+    assert torch.equal(from_fp8_codes(torch.zeros(2, 20, dtype=torch.uint8), torch.bfloat16), torch.zeros(2, 16))
+
+
+def test_fp8_kv_cache_stores_codes_and_decodes_near_the_bf16_cache():
+    """The static loop with kv_cache_dtype fp8: the cache's buffers hold uint8 codes (head_dim + 4 bytes
+    a position and head, not 2 x head_dim), the first greedy tokens are those of the unquantised cache
+    and their logprobs differ by the quantisation only (nonzero, small); hf refuses it."""
+    from utils import generation
+    from utils.generation import build_generation_config, generate_completions
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    cache, _ = generation._decoder(model, ids.shape[0], 32, (1.0, 0, 1.0, True), "eager", torch.device("cpu"), "fp8")
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert cache.layers[0].keys.dtype == torch.uint8 and cache.layers[0].keys.shape[-1] == head_dim + 4
+    plain = static_cache_generate(model, ids, mask, 3, 1.0, 1.0, 0, [10**9], pad, greedy=True, return_logprobs=True)
+    fp8 = static_cache_generate(model, ids, mask, 3, 1.0, 1.0, 0, [10**9], pad, greedy=True, return_logprobs=True,
+                                kv_cache_dtype="fp8")
+    assert torch.equal(fp8[0][:, :2], plain[0][:, :2])
+    gap = (fp8[1][:, 0] - plain[1][:, 0]).abs()
+    assert 0 < gap.max() < 0.1, gap
+    config = build_generation_config(3, 1.0, 1.0, 0, pad, [10**9])
+    with pytest.raises(ValueError, match="static-cache backend"):
+        generate_completions(model, ids, mask, config, [10**9], backend="hf", kv_cache_dtype="fp8")
+
+
 def test_packed_gqa_attention_equals_sdpa_with_repeated_heads():
     """One query token, 12 query heads over 2 key/value heads, a padding mask: the packed
     attention equals SDPA on keys and values repeated per query head (what transformers runs)."""

@@ -71,17 +71,19 @@ COMPILE_MIN_PARAMS = 100_000_000  # --generation_backend auto compiles the decod
 
 
 def resolve_generation_backend(requested, device_type, actor_kind="device", engine="single", param_offload=False,
-                               generation_copy=False, num_params=None):
+                               generation_copy=False, num_params=None, kv_cache_dtype="auto"):
     """--generation_backend auto -> (backend, why): the captured decoding step wherever the policy's
     weights stay at fixed addresses on one CUDA device (compiled from COMPILE_MIN_PARAMS parameters up,
     since compiling takes about a minute; cudagraph, the same step uncompiled, below), `static` on a GPU
-    where they move, `hf` (transformers' generate) elsewhere. Any other value is returned as is."""
+    where they move, `hf` (transformers' generate) elsewhere, or `static` there too with --kv_cache_dtype
+    fp8 (this project's cache holds the fp8 codes). Any other value is returned as is."""
     if requested != "auto":
         return requested, None
+    fp8 = " (static, not hf: --kv_cache_dtype fp8 needs this project's static cache)" if kv_cache_dtype == "fp8" else ""
     if device_type != "cuda":
-        return "hf", f"the policy is on {device_type}, not a CUDA GPU (captured steps need CUDA graphs)"
+        return ("static" if fp8 else "hf"), f"the policy is on {device_type}, not a CUDA GPU (captured steps need CUDA graphs){fp8}"
     if engine in ("zero3", "fsdp2"):
-        return "hf", f"under {engine} the policy's weights are gathered anew for each rollout"
+        return ("static" if fp8 else "hf"), f"under {engine} the policy's weights are gathered anew for each rollout{fp8}"
     if actor_kind == "balanced":
         return "static", "the policy's layers live on several GPUs (a captured step reads fixed addresses)"
     if param_offload and not generation_copy:

@@ -58,28 +58,28 @@ def sample_from(logits, generator=None):
 @torch.no_grad()
 def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, eos_token_ids,
                           pad_token_id, step_mode="eager", greedy=False, check_every=16, return_logprobs=False,
-                          prefill_chunk_size=None):
+                          prefill_chunk_size=None, kv_cache_dtype="auto"):
     """--generation_backend static / cudagraph / compiled: the same sampling as `generate`
     (sampling_logits) from a static KV cache, so every decoding step has the same shapes and the
     step can be replayed as one CUDA graph (step_mode cudagraph: the eager step captured;
     compiled: the torch.compile'd step captured; on a CPU, eager and compiled-without-graph). No
     host synchronisation per token: whether every row has finished is asked every `check_every`
     steps. prefill_chunk_size (--prefill_chunk_size): the prompts go into the cache that many positions
-    per forward. Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
+    per forward; kv_cache_dtype fp8 (--kv_cache_dtype): the cache holds float8 codes (_fp8_kv_class). Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
     return_logprobs each one's logprob [B, N] as the step sampled it (see _pick; 0 after EOS)."""
     cache_len = static_cache_len(input_ids.shape[1], max_new_tokens)
     with packed_gqa_decoding(model):
         tokens, logprobs = _static_loop(model, input_ids, attention_mask, max_new_tokens,
                                         (temperature, top_k, top_p, greedy), eos_token_ids, pad_token_id, step_mode,
-                                        check_every, cache_len, prefill_chunk_size)
+                                        check_every, cache_len, prefill_chunk_size, kv_cache_dtype)
     return (tokens, logprobs) if return_logprobs else tokens
 
 
 def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_ids, pad_token_id, step_mode,
-                 check_every, cache_len, prefill_chunk_size=None):
+                 check_every, cache_len, prefill_chunk_size=None, kv_cache_dtype="auto"):
     B, P = input_ids.shape
     device = input_ids.device
-    cache, step = _decoder(model, B, cache_len, sampling, step_mode, device)
+    cache, step = _decoder(model, B, cache_len, sampling, step_mode, device, kv_cache_dtype)
     mask = torch.zeros(B, cache_len, dtype=torch.long, device=device)  # [B, cache_len]
     mask[:, :P] = attention_mask
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding
@@ -167,7 +167,7 @@ def _pick(logits, temperature, top_k, top_p, greedy):
     return token, logprob
 
 
-def _decoder(model, batch, cache_len, sampling, step_mode, device):
+def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtype="auto"):
     """(static KV cache, decoding step(token [B], position [B, 1], cache_position [1], mask [B, L])
     -> (next token [B], its logprob [B])) for `model`. A captured or compiled pair is kept on the model for its next
     rollouts (the cache emptied each time): the graph replays into the same cache tensors and
@@ -177,7 +177,7 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device):
 
     graph = step_mode in CAPTURED_BACKENDS and device.type == "cuda"
     keep = graph or step_mode == "compiled"
-    key = (batch, cache_len, sampling, step_mode)
+    key = (batch, cache_len, sampling, step_mode, kv_cache_dtype)
     held = model.__dict__.pop("_lean_rl_decoder", None)  # another shape: the old cache is freed before the new one
     if keep and held is not None and held[0] == key:
         model.__dict__["_lean_rl_decoder"] = held
@@ -186,7 +186,11 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device):
         return cache, step
     del held
     cache = StaticCache(config=model.config, max_cache_len=cache_len)
-    _store_keys_as_values(cache)  # autocast may start only inside the forward (accelerate wraps it)
+    if kv_cache_dtype == "fp8":
+        for layer in cache.layers:  # float8 codes + scales in the layer's own (uint8) buffers
+            layer.__class__ = _fp8_kv_class(type(layer))
+    else:
+        _store_keys_as_values(cache)  # autocast may start only inside the forward (accelerate wraps it)
 
     def forward(token, position, cache_position, mask):
         return model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
@@ -292,10 +296,43 @@ def _keys_as_values_class(cls):
     return _KEYS_AS_VALUES[cls]
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+_FP8_KV = {}
+
+
+def fp8_codes(states):
+    """[..., D] keys or values -> [..., D + 4] uint8: each vector's float8 e4m3 codes (scaled so that
+    its largest magnitude is FP8_MAX) and the float32 scale's four bytes, so that the static cache's
+    own buffers (sized and copied by whatever dtype and last dimension they are given, in any
+    transformers version) hold both."""
+    states = states.float()
+    scale = states.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX  # [..., 1]
+    return torch.cat([(states / scale).to(FP8).view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def from_fp8_codes(data, dtype):
+    """fp8_codes' [..., D + 4] uint8 -> [..., D] in `dtype` (all-zero bytes, an empty position, give 0)."""
+    dim = data.shape[-1] - 4
+    return data[..., :dim].view(FP8).to(dtype) * data[..., dim:].contiguous().view(torch.float32).to(dtype)
+
+
+def _fp8_kv_class(cls):
+    """--kv_cache_dtype fp8: a static cache layer class that stores fp8_codes and returns the whole
+    layer dequantised to the values' dtype for attention (one layer's bf16 keys and values exist at a
+    time). Done by the layers' class, as _keys_as_values_class is (see there why)."""
+    if cls not in _FP8_KV:
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = cls.update(self, fp8_codes(key_states), fp8_codes(value_states), *args, **kwargs)
+            return from_fp8_codes(keys, value_states.dtype), from_fp8_codes(values, value_states.dtype)
+        _FP8_KV[cls] = type(cls.__name__, (cls,), {"update": update, "__module__": cls.__module__})
+    return _FP8_KV[cls]
+
+
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
                          backend="hf", keep_decoder=True, from_copy=False, return_logprobs=False,
-                         prefill_chunk_size=None):
+                         prefill_chunk_size=None, kv_cache_dtype="auto"):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_slice_size: a smaller KV cache; default all at once; the slices grouped by
     prompt length), with `generate`
@@ -305,7 +342,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     so the next phases get that memory back, and capture them again at the next rollout.
     from_copy (--generation_copy): generate from generation_copy(model) instead (dropped after
     the rollout too with keep_decoder=False). prefill_chunk_size (--prefill_chunk_size): the prompts
-    are prefilled that many positions per forward (hf: generate's own prefill_chunk_size).
+    are prefilled that many positions per forward (hf: generate's own prefill_chunk_size);
+    kv_cache_dtype fp8 (--kv_cache_dtype): the static backends' cache holds float8 codes (not hf).
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
@@ -343,6 +381,9 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                 if backend == "hf":
                     from transformers import LogitsProcessorList
 
+                    if kv_cache_dtype == "fp8":
+                        raise ValueError("--kv_cache_dtype fp8 needs a static-cache backend, not hf")
+
                     if prefill_chunk_size and prefill_chunk_size < ids.shape[1]:
                         generation_config = copy.copy(generation_config)
                         generation_config.prefill_chunk_size = prefill_chunk_size
@@ -361,7 +402,7 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                     new, new_logprobs = static_cache_generate(
                         model, ids, mask, gc.max_new_tokens, gc.temperature, gc.top_p or 1.0, gc.top_k or 0,
                         eos_token_ids, gc.pad_token_id, step_mode=step_mode, return_logprobs=True,
-                        prefill_chunk_size=prefill_chunk_size)
+                        prefill_chunk_size=prefill_chunk_size, kv_cache_dtype=kv_cache_dtype)
                 slices.append((new.to(prompt_ids.device), new_logprobs.float().to(prompt_ids.device)))
     finally:
         model.train(was_training)

@@ -164,8 +164,11 @@ def owned_gpus(num_processes) -> int:
     return max(1, len(own_gpus(num_processes - 1, num_processes, count)))
 
 
-def kv_bytes_per_token(shape) -> int:
-    """The KV cache of one token: keys and values of every layer, in bf16."""
+def kv_bytes_per_token(shape, kv_cache_dtype="auto") -> int:
+    """The KV cache of one token: keys and values of every layer, in bf16, or with --kv_cache_dtype fp8
+    one byte an element plus a float32 scale per head (utils/generation.py fp8_codes)."""
+    if kv_cache_dtype == "fp8":
+        return shape.layers * 2 * shape.kv_heads * (shape.head_dim + 4)
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
 
 
@@ -173,7 +176,7 @@ def planned_backend(shape, args, engine="single") -> str:
     """The --generation_backend a run of these flags on a GPU uses (`auto` resolved as the scripts do)."""
     kind = "balanced" if args.actor_device == "balanced" else "device"
     return resolve_generation_backend(args.generation_backend, "cuda", kind, engine, args.param_offload,
-                                      args.generation_copy, shape.params)[0]
+                                      args.generation_copy, shape.params, args.kv_cache_dtype)[0]
 
 
 def _other_gpu(device) -> bool:
@@ -239,7 +242,10 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
                               else max(shape.embedding_params, shape.linear_params // shape.layers) * 2
                               if args.reward_device == "offload" else reward_state)
     cache_len = T if backend == "hf" else static_cache_len(P, C)  # the static cache is rounded up
-    comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape)
+    comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape, args.kv_cache_dtype)
+    # --kv_cache_dtype fp8: one layer's keys and values dequantised to bf16 while attention reads them
+    comp["generate/kv_dequantised"] = (gen_rows * cache_len * kv_bytes_per_token(shape) // shape.layers
+                                       if args.kv_cache_dtype == "fp8" else 0)
     comp["generate/copy"] = shape.params * 2 if args.generation_copy else 0  # --generation_copy: bf16 weights
     # what a rollout leaves allocated for the next one (a captured decoder's KV cache, the copy), unless
     # --empty_cache_between_phases drops them
@@ -296,7 +302,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     grads = sum(comp[f"{r}/gradients"] for r in here)
     casts = comp["actor/autocast_copies"]
     phases = {
-        "generate": static + gen_kv + comp["generate/copy"]
+        "generate": static + gen_kv + comp["generate/kv_dequantised"] + comp["generate/copy"]
         + (0 if args.generation_copy else casts),
         "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"]) + swapped_ref
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
@@ -474,7 +480,10 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         adapter_s = adapters * (ADAPTER_CAPTURED_S if backend in CAPTURED_BACKENDS else ADAPTER_EAGER_S)
         if lora and backend in CAPTURED_BACKENDS:
             unmeasured.append("LoRA adapters inside a captured decoding step (15 us each assumed)")
-    kv = slice_rows * (P + C / 2) * kv_bytes_per_token(shape)
+    kv = slice_rows * (P + C / 2) * kv_bytes_per_token(shape, args.kv_cache_dtype)
+    if args.kv_cache_dtype == "fp8":  # the codes read, each layer's bf16 keys and values written and read again
+        kv += 2 * slice_rows * (P + C / 2) * kv_bytes_per_token(shape)
+        unmeasured.append("--kv_cache_dtype fp8's dequantising (assumed at the bandwidth)")
     decode_step = shape.layers * DECODE_LAYER_S[backend] + (weight_bytes + kv) / (bw * DECODE_EFF) + dequant + adapter_s
     if backend == "static":
         unmeasured.append("--generation_backend static's step on a GPU (0.45 ms per layer assumed)")
@@ -547,6 +556,8 @@ LEVERS = [
      lambda a: a.ref_device in (None, "swap") and not a.use_lora),
     (["--prefill_chunk_size", "64"], "the prompts prefilled 64 positions at a time (smaller prefill activations)",
      lambda a: (a.prefill_chunk_size or 1 << 30) > 64 and a.max_prompt_length > 64),
+    (["--kv_cache_dtype", "fp8"], "the rollouts' KV cache in float8 (changes the rollouts' numerics; not searched "
+     "until its GPU test has run)", lambda a: a.kv_cache_dtype != "fp8" and a.generation_backend != "hf"),
     (["--activation_offload"], "checkpointed layer inputs in pinned CPU memory",
      lambda a: a.use_gradient_checkpointing and not a.activation_offload),
     (["--optim", "adamw_4bit"], "4-bit optimizer moments", lambda a: a.optim in ("adamw_torch", "adamw_8bit")),
