@@ -11,6 +11,10 @@ GENERATION_BACKENDS = ("auto", "hf", "static", "cudagraph", "compiled")  # --gen
 CAPTURED_BACKENDS = ("cudagraph", "compiled")  # --generation_backend values that replay a CUDA graph
 
 
+# the --prefill_chunk_size the planner tries and --auto_reduce_micro_batch sets before halving rollout slices
+PREFILL_CHUNK = 64
+
+
 def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
     """The static KV cache's length: prompt + new tokens rounded up to `multiple`, so that prompts of
     nearby lengths share one cache shape (and one captured graph)."""

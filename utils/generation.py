@@ -352,6 +352,12 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     numerics that sampled it, at the sampling temperature and before top-k / top-p, as the training
     forward computes it (the rollout correction's pi_rollout). No extra forward: the static loops
     take it from the logits they sample from, `generate` through _SampledLogprobs."""
+    if backend == "hf" and kv_cache_dtype == "fp8":
+        raise ValueError("--kv_cache_dtype fp8 needs a static-cache backend, not hf")
+    chunked_config = None  # generate's own chunked prefill, for slices longer than the chunk
+    if backend == "hf" and prefill_chunk_size:
+        chunked_config = copy.copy(generation_config)
+        chunked_config.prefill_chunk_size = prefill_chunk_size
     policy = model
     if from_copy:
         model = generation_copy(policy)
@@ -381,15 +387,9 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                 if backend == "hf":
                     from transformers import LogitsProcessorList
 
-                    if kv_cache_dtype == "fp8":
-                        raise ValueError("--kv_cache_dtype fp8 needs a static-cache backend, not hf")
-
-                    if prefill_chunk_size and prefill_chunk_size < ids.shape[1]:
-                        generation_config = copy.copy(generation_config)
-                        generation_config.prefill_chunk_size = prefill_chunk_size
-
+                    config = chunked_config if chunked_config and prefill_chunk_size < ids.shape[1] else generation_config
                     recorder = _SampledLogprobs(generation_config.temperature or 1.0)
-                    new = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
+                    new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                          logits_processor=LogitsProcessorList([recorder]))[:, ids.shape[1]:]
                     new_logprobs = recorder.finish(new)
                 else:

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from utils.base import PREFILL_CHUNK
+
 GIB = 1024**3
 
 
@@ -421,9 +423,6 @@ def fake_oom_check(rows):
         raise torch.OutOfMemoryError(f"(injected by LEAN_RL_FAKE_OOM_ROWS={limit}: {rows} rows)")
 
 
-PREFILL_CHUNK = 64  # what --auto_reduce_micro_batch sets --prefill_chunk_size to before halving slices
-
-
 class MicroBatchShrinker:
     """--auto_reduce_micro_batch: a pass that runs out of memory is redone with half the
     micro-batch (--per_device_train_batch_size, or --max_token_len_per_gpu with --use_dynamic_bsz;
@@ -437,8 +436,7 @@ class MicroBatchShrinker:
         self.reductions = 0
 
     def _can_chunk_prefill(self):
-        a = self.args
-        return getattr(a, "prefill_chunk_size", None) is None and getattr(a, "max_prompt_length", 0) > PREFILL_CHUNK
+        return self.args.prefill_chunk_size is None and self.args.max_prompt_length > PREFILL_CHUNK
 
     def _can_shrink(self, kind):
         a = self.args

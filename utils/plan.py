@@ -22,8 +22,8 @@ This module imports no runtime code (utils.base and utils.cli only; the scripts'
 import sys
 from dataclasses import dataclass
 
-from utils.base import (CAPTURED_BACKENDS, GIB, STEP_SLICE, own_gpus, parse_memory, resolve_generation_backend,  # noqa: F401
-                        static_cache_len)
+from utils.base import (CAPTURED_BACKENDS, GIB, PREFILL_CHUNK, STEP_SLICE, own_gpus, parse_memory,  # noqa: F401
+                        resolve_generation_backend, static_cache_len)
 
 # the workload shapes (benchmarks/README.md); benchmarks/memory.py builds its models from these
 SHAPES = {
@@ -554,8 +554,9 @@ LEVERS = [
      lambda a: a.ref_device is None and not a.use_lora),
     (["--ref_device", "offload"], "the reference in CPU memory, streamed layer by layer (slow)",
      lambda a: a.ref_device in (None, "swap") and not a.use_lora),
-    (["--prefill_chunk_size", "64"], "the prompts prefilled 64 positions at a time (smaller prefill activations)",
-     lambda a: (a.prefill_chunk_size or 1 << 30) > 64 and a.max_prompt_length > 64),
+    (["--prefill_chunk_size", str(PREFILL_CHUNK)],
+     f"the prompts prefilled {PREFILL_CHUNK} positions at a time (smaller prefill activations)",
+     lambda a: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
     (["--kv_cache_dtype", "fp8"], "the rollouts' KV cache in float8 (changes the rollouts' numerics; not searched "
      "until its GPU test has run)", lambda a: a.kv_cache_dtype != "fp8" and a.generation_backend != "hf"),
     (["--activation_offload"], "checkpointed layer inputs in pinned CPU memory",
@@ -613,7 +614,7 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
         if args.use_lora or args.load_in_4bit or args.load_in_8bit or args.torch_dtype == "float32":
             axis("generation_copy", [False, True])  # bf16 full-parameter weights: the copy would be the same bytes
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
-    axis("prefill_chunk_size", [None] + [n for n in (64,) if n < args.max_prompt_length])
+    axis("prefill_chunk_size", [None] + ([PREFILL_CHUNK] if PREFILL_CHUNK < args.max_prompt_length else []))
     axis("empty_cache_between_phases", [False, True])
     if num_processes == 1 and not args.use_lora:
         axis("param_offload", [False, True])
