@@ -308,13 +308,20 @@ def fp8_codes(states):
     transformers version) hold both."""
     states = states.float()
     scale = states.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / FP8_MAX  # [..., 1]
-    return torch.cat([(states / scale).to(FP8).view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    # the scale's bytes by shifts of its int32 bits, not a float32 -> uint8 view: inductor cannot lower
+    # a view between element sizes of a strided [..., 1] (measured: --generation_backend compiled fell back)
+    bits = scale.view(torch.int32)
+    scale_bytes = torch.cat([(bits >> shift) & 0xFF for shift in (0, 8, 16, 24)], dim=-1).to(torch.uint8)
+    return torch.cat([(states / scale).to(FP8).view(torch.uint8), scale_bytes], dim=-1)  # little-endian scale
 
 
 def from_fp8_codes(data, dtype):
     """fp8_codes' [..., D + 4] uint8 -> [..., D] in `dtype` (all-zero bytes, an empty position, give 0)."""
     dim = data.shape[-1] - 4
-    return data[..., :dim].view(FP8).to(dtype) * data[..., dim:].contiguous().view(torch.float32).to(dtype)
+    scale_bytes = data[..., dim:].to(torch.int32)  # [..., 4]
+    bits = (scale_bytes[..., 0:1] | (scale_bytes[..., 1:2] << 8) | (scale_bytes[..., 2:3] << 16)
+            | (scale_bytes[..., 3:4] << 24))
+    return data[..., :dim].view(FP8).to(dtype) * bits.view(torch.float32).to(dtype)
 
 
 def _fp8_kv_class(cls):
