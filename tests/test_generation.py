@@ -375,6 +375,9 @@ def test_generation_copy_is_the_bf16_policy_and_follows_its_updates():
     assert copy is not model and not any(p.requires_grad for p in copy.parameters())
     expected = {name: p.to(torch.bfloat16) for name, p in model.state_dict().items()}
     assert all(torch.equal(p, expected[name]) for name, p in copy.state_dict().items())
+    # built without weight initialisation: the buffers outside the state_dict (RoPE's) still computed
+    buffers = dict(model.named_buffers())
+    assert all(torch.equal(b, buffers[name].to(b.dtype)) for name, b in copy.named_buffers())
     pointers = [p.data_ptr() for p in copy.parameters()]
     with torch.no_grad():
         for p in model.parameters():
