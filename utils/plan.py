@@ -366,9 +366,12 @@ ADAPTER_EAGER_S, ADAPTER_CAPTURED_S = 200e-6, 15e-6  # captured: assumed (no run
 # OFFLOAD_STREAM of the link plus a per-phase setup at OFFLOAD_SETUP; --param_offload copies its
 # modules 3 times per micro-batch (forward, recompute, gradient back) at PARAM_OFFLOAD of the link
 OFFLOAD_STREAM, OFFLOAD_SETUP, PARAM_OFFLOAD = 0.15, 0.0124, 0.0436
-# small micro-batches: a matmul over `t` tokens runs at t / (t + MB_TOKENS) of the rate (assumed), and
-# every micro-batch pass costs MB_LAYER_S per layer (launches, autograd; fitted)
-MB_TOKENS = 1024
+# small micro-batches: a matmul over `t` tokens runs at t / (t + MB_TOKENS x 1536 / hidden) of the rate
+# (assumed at 1.5b, hidden 1536; scaled by 1 / hidden because a GEMM fills the GPU's SMs with fewer rows when
+# its output is wider; the scaling was chosen after the 7b 48GB row at micro-batches of 2 ran 19.6 s against
+# 27.3 estimated unscaled, 23.8 scaled, so that row is not held out for it), and every micro-batch pass costs
+# MB_LAYER_S per layer (launches, autograd; fitted)
+MB_TOKENS, MB_TOKENS_HIDDEN = 1024, 1536
 MB_LAYER_S = 0.27e-3
 ADAMW_4BIT_S = 0.44e-9  # per parameter: torchao's 4-bit step (its quantise/dequantise kernels)
 # --empty_cache_between_phases: the allocator grows its pool again once per phase (torch.cuda.empty_cache runs
@@ -425,7 +428,8 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     trained_bytes, quant = _storage_bytes(args)
     fp32_autocast = trained_bytes == 4 and args.mixed_precision != "no" and not (lora and bits)
 
-    mm_mb = mm * mb_rows * T / (mb_rows * T + MB_TOKENS)  # the matmul rate at a micro-batch's size
+    mb_tokens = MB_TOKENS * MB_TOKENS_HIDDEN / shape.hidden
+    mm_mb = mm * mb_rows * T / (mb_rows * T + mb_tokens)  # the matmul rate at a micro-batch's size
 
     def forward(params, quantized, with_adapters=False):
         """A no-grad forward over every row (ref, old_logprobs, values, reward)."""
@@ -492,7 +496,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     if chunk < P:  # --prefill_chunk_size: smaller forwards (a lower matmul rate), one more pass per chunk
         unmeasured.append("--prefill_chunk_size's smaller prefill forwards (counted as micro-batch passes)")
         whole, part = slice_rows * P, slice_rows * chunk
-        prefill *= (part + MB_TOKENS) / part * whole / (whole + MB_TOKENS)
+        prefill *= (part + mb_tokens) / part * whole / (whole + mb_tokens)
         prefill += slices * (-(-P // chunk) - 1) * shape.layers * MB_LAYER_S
     generate = slices * C * decode_step + prefill
     if args.generation_copy:
@@ -557,8 +561,8 @@ LEVERS = [
     (["--prefill_chunk_size", str(PREFILL_CHUNK)],
      f"the prompts prefilled {PREFILL_CHUNK} positions at a time (smaller prefill activations)",
      lambda a: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
-    (["--kv_cache_dtype", "fp8"], "the rollouts' KV cache in float8 (changes the rollouts' numerics; not searched "
-     "until its GPU test has run)", lambda a: a.kv_cache_dtype != "fp8" and a.generation_backend != "hf"),
+    (["--kv_cache_dtype", "fp8"], "the rollouts' KV cache in float8 (changes the rollouts' numerics and costs "
+     "decoding time; not searched)", lambda a: a.kv_cache_dtype != "fp8" and a.generation_backend != "hf"),
     (["--activation_offload"], "checkpointed layer inputs in pinned CPU memory",
      lambda a: a.use_gradient_checkpointing and not a.activation_offload),
     (["--optim", "adamw_4bit"], "4-bit optimizer moments", lambda a: a.optim in ("adamw_torch", "adamw_8bit")),
@@ -1016,11 +1020,11 @@ TIME_HELD_OUT = [
 # PPO rows were planned before the 4-bit optimizer step's buffers were counted; the first 1.5b 12GB row after,
 # before torchao's step was sliced; the second 1.5b 12GB row and the 7b 48GB row after both)
 BUDGET_RUNS = [
-    dict(row="1.5b_full_12gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=10.04, step_time_s=7.79,
+    dict(row="1.5b_full_12gb (before)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=10.04, step_time_s=7.79,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
                 "--logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
                 "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4").split()),
-    dict(row="7b_full_48gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=38.29, step_time_s=30.02,
+    dict(row="7b_full_48gb (micro-batch 1)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=38.29, step_time_s=30.02,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --optim adamw_4bit "
                 "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
                 "--per_device_train_batch_size 1").split()),
@@ -1028,7 +1032,7 @@ BUDGET_RUNS = [
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
                 "--logprob_chunk_size 256 --optim adamw_8bit --param_offload --generation_backend hf "
                 "--ref_device swap --per_device_train_batch_size 4").split()),
-    dict(row="1.5b_full_24gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=17.24, step_time_s=5.89,
+    dict(row="1.5b_full_24gb (bf16 plan)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=17.24, step_time_s=5.89,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 "
                 "--optim adamw_8bit --generation_backend compiled --ref_device swap "
                 "--per_device_train_batch_size 32").split()),
@@ -1038,7 +1042,7 @@ BUDGET_RUNS = [
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size "
                 "1024 --optim adamw_8bit --generation_backend compiled --ref_device swap "
                 "--per_device_train_batch_size 32").split()),
-    dict(row="7b_lora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.84, step_time_s=26.74,
+    dict(row="7b_lora_24gb (before)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.84, step_time_s=26.74,
          flags=("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 64 --generation_backend compiled --empty_cache_between_phases").split()),
     dict(row="7b_qlora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.55, step_time_s=29.17,
@@ -1047,7 +1051,7 @@ BUDGET_RUNS = [
     # a session later: the two rows not run before (planned after both changes). 7b 12GB: its first rollout
     # ran out of memory at the planned --generation_slice_size 64 and --auto_reduce_micro_batch went on with
     # 32; here as it ran in steps 2-3 (slices of 32: peak reserved 9.21 GiB in the update, 52.59 s)
-    dict(row="7b_qlora_12gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.21, step_time_s=52.59,
+    dict(row="7b_qlora_12gb (slices of 32)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.21, step_time_s=52.59,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 32 --generation_backend compiled --empty_cache_between_phases").split()),
     dict(row="ppo_7b_80gb", shape="qwen2.5-7b", algo="ppo", peak_reserved_gib=66.16, step_time_s=41.16,
@@ -1059,6 +1063,30 @@ BUDGET_RUNS = [
                 "--torch_compile --logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
                 "--empty_cache_between_phases --ref_device swap --reward_device swap "
                 "--per_device_train_batch_size 16").split()),
+    # a session later (2026-12-01, evening): five rows run again as the planner now plans them (the prefill's
+    # MLP activations counted, 5% allocator slack with emptied caches, --prefill_chunk_size searched); 3 steps,
+    # the median of steps 2-3. 1.5b 24GB: its step 2 (14.2 s) recompiled in ref and update, step 3 took 8.4 s;
+    # it ran with the --generation_copy built with weight initialisation at every rollout (fixed after)
+    dict(row="7b_qlora_12gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.69, step_time_s=39.72,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
+                "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
+                "--empty_cache_between_phases").split()),
+    dict(row="7b_full_48gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=39.36, step_time_s=19.61,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --optim adamw_4bit "
+                "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
+                "--per_device_train_batch_size 2").split()),
+    dict(row="7b_lora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.38, step_time_s=27.35,
+         flags=("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --activation_offload "
+                "--logprob_chunk_size 256 --generation_slice_size 64 --prefill_chunk_size 64 "
+                "--generation_backend compiled --empty_cache_between_phases --per_device_train_batch_size 16").split()),
+    dict(row="1.5b_full_24gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=19.24, step_time_s=11.29,
+         flags=("--use_gradient_checkpointing --torch_compile --activation_offload --logprob_chunk_size 256 "
+                "--optim adamw_8bit --generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="1.5b_full_12gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=10.05, step_time_s=6.95,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
+                "--logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
+                "--empty_cache_between_phases --ref_device swap").split()),
 ]
 
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
@@ -1067,11 +1095,16 @@ BUDGET_RUNS = [
 _FLAGS = {run["row"]: run["flags"] for run in BUDGET_RUNS}
 PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peaks in [
     ("7b_full_80gb", "qwen2.5-7b", "grpo", {"generate": 38.34, "ref": 50.58, "actor_update": 57.73}),
-    ("7b_qlora_12gb", "qwen2.5-7b", "grpo", {"generate": 8.52, "ref": 6.57, "actor_update": 8.82}),
+    ("7b_qlora_12gb (slices of 32)", "qwen2.5-7b", "grpo", {"generate": 8.52, "ref": 6.57, "actor_update": 8.82}),
     ("ppo_7b_80gb", "qwen2.5-7b", "ppo", {"generate": 65.36, "ref": 44.85, "actor_update": 56.05}),
     ("1.5b_full_12gb (unsliced step)", "qwen2.5-1.5b", "grpo", {"generate": 8.43, "ref": 8.17, "actor_update": 9.21}),
-    ("7b_lora_24gb", "qwen2.5-7b", "grpo", {"generate": 20.45, "actor_update": 18.3}),
+    ("7b_lora_24gb (before)", "qwen2.5-7b", "grpo", {"generate": 20.45, "actor_update": 18.3}),
     ("7b_qlora_24gb", "qwen2.5-7b", "grpo", {"generate": 16.59, "actor_update": 18.56}),
+    ("7b_qlora_12gb", "qwen2.5-7b", "grpo", {"generate": 9.29, "ref": 6.57, "actor_update": 8.74}),
+    ("7b_full_48gb", "qwen2.5-7b", "grpo", {"generate": 31.47, "ref": 37.49, "actor_update": 38.69}),
+    ("7b_lora_24gb", "qwen2.5-7b", "grpo", {"generate": 18.31, "actor_update": 19.88}),
+    ("1.5b_full_24gb", "qwen2.5-1.5b", "grpo", {"generate": 16.34, "ref": 12.25, "actor_update": 16.93}),
+    ("1.5b_full_12gb", "qwen2.5-1.5b", "grpo", {"generate": 9.19, "ref": 7.73, "actor_update": 8.92}),
 ]]
 
 
