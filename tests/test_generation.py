@@ -97,6 +97,26 @@ def test_compiled_step_is_reused_by_the_next_rollout_without_recompiling():
     assert torch.equal(ours, _hf_greedy(model, *other, 10, [10**9], pad))
 
 
+def test_a_dropped_decoder_rebuilt_compiles_nothing_again():
+    """--empty_cache_between_phases drops the compiled decoder after each rollout, and with
+    --generation_copy the model is a new object each time: neither may compile again (each rollout
+    would pay a compile, and after torch._dynamo's recompile limit, 8, decode uncompiled)."""
+    from copy import deepcopy
+
+    from torch._dynamo.utils import counters
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    first = static_cache_generate(model, ids, mask, 6, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled")
+    compiled_frames = counters["frames"]["ok"]
+    for rebuilt in (model, deepcopy(model), deepcopy(model)):
+        rebuilt.__dict__.pop("_lean_rl_decoder", None)  # as keep_decoder=False leaves it
+        again = static_cache_generate(rebuilt, ids, mask, 6, 1.0, 1.0, 0, [10**9], pad, greedy=True,
+                                      step_mode="compiled")
+        assert torch.equal(again, first)
+    assert counters["frames"]["ok"] == compiled_frames
+
+
 def test_empty_cache_between_phases_drops_the_kept_decoder():
     """generate_completions(keep_decoder=False), as --empty_cache_between_phases asks, leaves no
     KV cache or graph on the model after the rollout; by default they stay for the next one."""
