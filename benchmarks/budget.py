@@ -11,7 +11,7 @@ random-weight models from benchmarks/memory.py) with the row's training mode and
 --gpu_memory CARD` alone: the planner's flags, none chosen by hand. Each row's JSON
 (<out>/budget/<row>.json) holds the card, model and mode, the flags the planner chose, its estimated peak
 reserved and step time, the measured peak reserved (max over phases and steps), the median step time
-(steps 2..), completion tokens/s, the per-phase times and peak memory, TRL 1.16's figure on the same
+(steps 2..) and each of those steps (`unsteady` where they differ by more than 30%), completion tokens/s, the per-phase times and peak memory, TRL 1.16's figure on the same
 workload and the row's target; budget.md and budget.png (step time against the card's budget, one line per model and
 mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
 sessions add up.
@@ -86,13 +86,17 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
     measured, step = result["peak_reserved_gib"], result["step_time_s"]
     verdict = ("n/a" if step is None or result["status"] != "ok" else
                "MET" if step <= target and (cap or not card or not on_gpu) else f"MISSED by {step - target:.1f} s")
+    times = result.get("step_times_s") or []
+    # the timed steps disagree by more than 30%: a recompile or a retry inside them; the median hides which
+    unsteady = len(times) > 1 and max(times) > 1.3 * min(times)
     slowest = max(result["phases"].items(), key=lambda kv: kv[1]["time_s"] or 0)[0] if result["phases"] else None
     row = dict(row=name, shape=shape, script=script, mode=mode, card=card,
                budget_gib=parse_memory(card) / GIB if card else None, cap_gib=float(cap.group(1)) if cap else None,
                mode_flags=mode_flags, planner_flags=chosen, runtime_reductions=reductions(log),
                estimated_peak_reserved_gib=est_gib,
                estimated_step_s=est_s, peak_reserved_gib=measured, peak_allocated_gib=result["peak_allocated_gib"],
-               step_time_s=step, tokens_per_s=result["tokens_per_s"],
+               step_time_s=step, step_times_s=result.get("step_times_s"), unsteady=unsteady,
+               tokens_per_s=result["tokens_per_s"],
                phases={p: v["time_s"] for p, v in result["phases"].items()},
                phase_peaks_gib={p: {"allocated": v["peak_allocated_gib"], "reserved": v["peak_reserved_gib"]}
                                 for p, v in result["phases"].items()},  # to check the estimate phase by phase
@@ -104,7 +108,7 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
         json.dump(row, f, indent=1)
     print(f"[{name}] {row['status']}: {fmt(step, '.2f')} s per step (estimated {fmt(est_s, '.1f')}), peak reserved "
           f"{fmt(measured)} GiB (estimated {fmt(est_gib, '.1f')}) under {card or 'no cap'}; target {target} s: "
-          f"{verdict}",
+          f"{verdict}" + (f" (unsteady: steps 2.. took {', '.join(f'{t:.2f}' for t in times)} s)" if unsteady else ""),
           flush=True)
     return row
 

@@ -226,6 +226,7 @@ def summarize(rows):
     first = rows[0] if rows else {}
     return dict(steps=len(rows), phases=phases, peak_reserved_gib=overall("peak_reserved_gib"),
                 peak_allocated_gib=overall("peak_allocated_gib"), step_time_s=median("time/step"),
+                step_times_s=numbers("time/step", timed),  # each timed step: a recompile shows as an outlier
                 tokens_per_s=median("throughput/tokens_per_s"), host_peak_rss_gib=peak("memory/host_peak_rss_gib"),
                 loss=first.get("loss/policy"), grad_norm=first.get("optim/grad_norm"))
 
