@@ -78,8 +78,8 @@ def test_step_time_estimates_against_the_h200_runs(kind, shape, algo, flags, ste
 # known misses, kept visible; strict, so a fix shows
 _TIME_MISSES = {
     # float32 weights under bf16 autocast with --torch_compile, --activation_offload and --generation_copy:
-    # its step 2 recompiled (14.2 s), step 3 took 8.4 s; either is far above the 5.8 s estimated
-    "1.5b_full_24gb": "float32 weights with activation offload and a generation copy: 5.8 s estimated, 11.3 s "
+    # its step 2 recompiled (14.2 s), step 3 took 8.4 s; 5.8 s estimated at the run, 6.7 now
+    "1.5b_full_24gb": "float32 weights with activation offload and a generation copy: 6.7 s estimated, 11.3 s "
                       "measured (median of steps 2-3; step 3 alone 8.4 s)",
 }
 

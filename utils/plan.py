@@ -432,6 +432,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     unmeasured = []
     trained_bytes, quant = _storage_bytes(args)
     fp32_autocast = trained_bytes == 4 and args.mixed_precision != "no" and not (lora and bits)
+    residual_bytes = 4 if trained_bytes == 4 and not lora else 2  # the layer inputs' dtype, as estimate() has it
 
     mb_tokens = MB_TOKENS * MB_TOKENS_HIDDEN / shape.hidden
     mm_mb = mm * mb_rows * T / (mb_rows * T + mb_tokens)  # the matmul rate at a micro-batch's size
@@ -456,6 +457,17 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         t += elementwise * UPDATE_ELEMENTWISE * (passes / 3) * (COMPILED_UPDATE if compiled else 1)
         if with_lm_head and args.logprob_chunk_size:
             t += 2 * head * tokens / mm  # the chunked LM head recomputed in backward
+            if not lora:  # per chunk, the head's weight gradient written and added into .grad (bf16: 8 bytes a
+                # weight); float32 weights: the recompute casts the weight again (autocast caches its cast only
+                # within the forward's region) and the gradient is accumulated in float32 (18 bytes). Counted,
+                # not fitted
+                chunks = -(-rows * (C + 1) // args.logprob_chunk_size)
+                t += chunks * head * (18 if fp32_autocast else 8) / bw
+        if args.activation_offload and args.use_gradient_checkpointing:
+            # every checkpointed layer input to pinned host memory and back, charged in full at the host link
+            # (not overlapped: the 7b LoRA and QLoRA budget rows' updates ran 1.3-2.2 s over the estimate
+            # without it; an eager 1.5b float32 pair ran the same with and without the flag). Counted, not fitted
+            t += 2 * shape.layers * tokens * shape.hidden * residual_bytes / host
         if quantized:
             t += passes * n_mb * shape.linear_params * DEQUANT_S[quantized]
         if lora:
