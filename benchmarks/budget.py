@@ -11,8 +11,8 @@ random-weight models from benchmarks/memory.py) with the row's training mode and
 --gpu_memory CARD` alone: the planner's flags, none chosen by hand. Each row's JSON
 (<out>/budget/<row>.json) holds the card, model and mode, the flags the planner chose, its estimated peak
 reserved and step time, the measured peak reserved (max over phases and steps), the median step time
-(steps 2..) and each of those steps (`unsteady` where they differ by more than 30%), completion tokens/s, the per-phase times and peak memory, TRL 1.16's figure on the same
-workload and the row's target; budget.md and budget.png (step time against the card's budget, one line per model and
+(steps 2..) and each of those steps (`unsteady` where they differ by more than 30%), completion tokens/s,
+the per-phase times and peak memory, TRL 1.16's figure on the same workload and the row's target; budget.md and budget.png (step time against the card's budget, one line per model and
 mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
 sessions add up.
 """
