@@ -610,7 +610,12 @@ class StopSignal:
         if not self.armed:
             _say(f"received signal {signum} during setup, before any step: stopped, nothing trained, nothing saved "
                  "(exit code 1)", file=sys.stderr)
-            sys.exit(1)
+            # at once, not sys.exit: its SystemExit would rise from whatever frame the signal interrupted (an
+            # import 1 s in), where library code may catch or wrap it (CI once printed a RecursionError's
+            # traceback). Nothing is trained or open for writing yet
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         if self.signum:
             _say(f"received signal {signum} again: stopped at once, the current step is not saved (exit code 1); "
                  "the newest complete checkpoint is kept", file=sys.stderr)
