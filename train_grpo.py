@@ -494,7 +494,8 @@ def main(argv=None):
                             unwrapped, prompt_ids, prompt_mask, generation_config, eos_ids, args.generation_slice_size,
                             args.generation_backend, keep_decoder=not args.empty_cache_between_phases,
                             from_copy=args.generation_copy, return_logprobs=True,
-                            prefill_chunk_size=args.prefill_chunk_size, kv_cache_dtype=args.kv_cache_dtype),
+                            prefill_chunk_size=args.prefill_chunk_size, kv_cache_dtype=args.kv_cache_dtype,
+                            copy_dtype=args.generation_copy_dtype),
                         "generate", kind="generation")  # [B, C] x2, [B], [B, C]
 
             # 2. rewards: every function on every completion (then DAPO's overlong penalty, --overlong_buffer_len)

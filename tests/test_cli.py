@@ -62,6 +62,7 @@ BAD_INPUTS = [
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
     (["--generation_backend", "cudagraph", "--param_offload"], "does not keep; use --generation_backend static, or add --generation_copy"),
     (["--generation_backend", "compiled", "--actor_device", "balanced"], "which --actor_device balanced"),
+    (["--generation_copy_dtype", "int8"], "--generation_copy_dtype int8 sets the dtype of --generation_copy's copy"),
 ]
 
 

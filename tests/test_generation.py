@@ -458,10 +458,88 @@ def test_generation_copy_dequantises_4bit_weights_and_merges_the_adapter(tmp_pat
     assert torch.equal(copy.model.norm.weight, policy.get_base_model().model.norm.weight.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
-def test_scripts_train_lora_generating_from_the_merged_copy(run, tmp_path, script):
-    result = run(["--max_steps", "2", "--use_lora", "--generation_copy", "--output_dir", str(tmp_path),
-                  "--save_strategy", "no"], script=script)
+def test_int8_generation_copy_quantises_each_linear_as_torchao_does():
+    """--generation_copy_dtype int8 (LoRA merged first): each Linear's codes and scales equal torchao's
+    Int8WeightOnlyConfig quantisation of the merged bf16 weight (an independent implementation: symmetric,
+    one scale per output row), where a value lies exactly halfway between two codes up to that tie's rounding;
+    the embedding,
+    norms and RoPE buffers are the bf16 copy's; refreshed in place after the policy changes; the copy's
+    logits stay within int8's error of the bf16 copy's and its greedy tokens mostly agree."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from utils.generation import generation_copy
+    from utils.int8 import Int8Linear
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    policy = _lora_policy(model)
+    bf16 = generation_copy(policy)
+    policy.__dict__.pop("_lean_rl_generation_copy")
+    copy = generation_copy(policy, "int8")
+    linears = {n: m for n, m in copy.named_modules() if isinstance(m, Int8Linear)}
+    assert "lm_head" in linears and len(linears) == 7 * model.config.num_hidden_layers + 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
+    bf16_modules = dict(bf16.named_modules())
+    for name, layer in linears.items():
+        reference = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, dtype=torch.bfloat16)
+        reference.weight.data.copy_(bf16_modules[name].weight)
+        quantize_(reference, Int8WeightOnlyConfig())
+        codes, scale = _torchao_codes_and_scale(reference.weight)
+        assert torch.equal(layer.scale.float(), scale.float()), name
+        _assert_codes_equal_but_ties(layer.codes, codes, bf16_modules[name].weight, scale)
+    assert torch.equal(copy.model.embed_tokens.weight, bf16.model.embed_tokens.weight)
+    assert torch.equal(copy.model.norm.weight, bf16.model.norm.weight)
+    assert all(torch.equal(b, dict(bf16.named_buffers())[n]) for n, b in copy.named_buffers()
+               if not n.endswith((".codes", ".scale")))
+    with torch.no_grad():
+        logits_int8 = copy(input_ids=ids, attention_mask=mask).logits.float()
+        logits_bf16 = bf16(input_ids=ids, attention_mask=mask).logits.float()
+    error = (logits_int8 - logits_bf16).norm() / logits_bf16.norm()
+    assert 0 < error < 0.05, error
+    pad = tokenizer.pad_token_id
+    ours = static_cache_generate(copy, ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    theirs = static_cache_generate(bf16, ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    assert (ours[:, 0] == theirs[:, 0]).float().mean() >= 0.75
+    up = copy.model.layers[0].mlp.up_proj
+    pointers = (up.codes.data_ptr(), up.scale.data_ptr())
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(2.0)
+    assert generation_copy(policy, "int8") is copy and (up.codes.data_ptr(), up.scale.data_ptr()) == pointers
+    reference = _quantised(policy.get_base_model().model.layers[0].mlp.up_proj)
+    expected, scale = _torchao_codes_and_scale(reference)
+    _assert_codes_equal_but_ties(up.codes, expected, policy.get_base_model().model.layers[0].mlp.up_proj.weight, scale)
+
+
+def _assert_codes_equal_but_ties(codes, expected, weight, scale):
+    """Equal codes, except by one where weight / scale is exactly halfway (round-half-even or not)."""
+    ratio = weight.detach().to(torch.bfloat16).float() / scale.float().reshape(-1, 1)
+    tie = (ratio - ratio.floor()) == 0.5
+    difference = (codes.int() - expected.int()).abs()
+    assert difference.max() <= 1 and not difference.bool()[~tie].any()
+
+
+def _quantised(linear):
+    """torchao's int8 weight-only quantisation of a (peft-wrapped or plain) Linear's bf16 weight."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    weight = getattr(linear, "base_layer", linear).weight
+    reference = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
+    reference.weight.data.copy_(weight)
+    quantize_(reference, Int8WeightOnlyConfig())
+    return reference.weight
+
+
+def _torchao_codes_and_scale(weight):
+    """(int8 codes [N, K], scale [N]) of torchao's Int8Tensor (per-row block_size [1, K])."""
+    assert list(weight.block_size) == [1, weight.shape[1]]
+    return weight.qdata, weight.scale.reshape(-1)
+
+
+@pytest.mark.parametrize("script,dtype", [("train_grpo.py", "bfloat16"), ("train_ppo.py", "bfloat16"),
+                                          ("train_grpo.py", "int8")])
+def test_scripts_train_lora_generating_from_the_merged_copy(run, tmp_path, script, dtype):
+    result = run(["--max_steps", "2", "--use_lora", "--generation_copy", "--generation_copy_dtype", dtype,
+                  "--output_dir", str(tmp_path), "--save_strategy", "no"], script=script)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics_of(tmp_path)
     assert len(rows) == 2 and all(r["optim/grad_norm"] > 0 for r in rows)

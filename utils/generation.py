@@ -339,7 +339,7 @@ def _fp8_kv_class(cls):
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
                          backend="hf", keep_decoder=True, from_copy=False, return_logprobs=False,
-                         prefill_chunk_size=None, kv_cache_dtype="auto"):
+                         prefill_chunk_size=None, kv_cache_dtype="auto", copy_dtype="bfloat16"):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_slice_size: a smaller KV cache; default all at once; the slices grouped by
     prompt length), with `generate`
@@ -348,7 +348,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     (--empty_cache_between_phases): those two drop their KV cache and graph after the rollout,
     so the next phases get that memory back, and capture them again at the next rollout.
     from_copy (--generation_copy): generate from generation_copy(model) instead (dropped after
-    the rollout too with keep_decoder=False). prefill_chunk_size (--prefill_chunk_size): the prompts
+    the rollout too with keep_decoder=False; copy_dtype int8: --generation_copy_dtype). prefill_chunk_size
+    (--prefill_chunk_size): the prompts
     are prefilled that many positions per forward (hf: generate's own prefill_chunk_size);
     kv_cache_dtype fp8 (--kv_cache_dtype): the static backends' cache holds float8 codes (not hf).
 
@@ -367,7 +368,7 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
         chunked_config.prefill_chunk_size = prefill_chunk_size
     policy = model
     if from_copy:
-        model = generation_copy(policy)
+        model = generation_copy(policy, copy_dtype)
     device = model_input_device(model)
     pad = generation_config.pad_token_id
     batch_size = batch_size or prompt_ids.shape[0]
@@ -463,7 +464,7 @@ class _SampledLogprobs:
 
 
 @torch.no_grad()
-def generation_copy(policy):
+def generation_copy(policy, dtype="bfloat16"):
     """--generation_copy: a plain bf16 model of the policy's architecture, on the policy's input
     device, kept with the policy and refreshed in place before each rollout (fixed addresses, so a
     captured decoding graph stays valid): LoRA adapters merged into their base weights (W + the
@@ -471,43 +472,79 @@ def generation_copy(policy):
     dequantize_module_weight), everything else cast. Generation then reads full bf16 matrices once
     per step instead of dequantising 4-bit blocks or adding the adapter's path at every layer,
     and runs in bf16 throughout; the training forward keeps its own numerics. Costs one bf16 copy
-    of the model's weights in memory."""
+    of the model's weights in memory. dtype int8 (--generation_copy_dtype): every Linear of the copy
+    (the LM head too) holds the merged weight as int8 codes with a bf16 scale per output row
+    (utils.int8.Int8Linear), the embedding and norms stay bf16: about half the bytes. The int8 copy is
+    built on the meta device and its tensors made one module at a time, so building it never holds a
+    bf16 copy (its buffers, RoPE's frequencies, are the policy's)."""
     from copy import deepcopy
 
     from transformers import AutoModelForCausalLM
     from peft.utils.integrations import dequantize_module_weight
 
+    from utils.int8 import Int8Linear
+
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    sources = dict(base.named_modules())
     copy = policy.__dict__.get("_lean_rl_generation_copy")
     if copy is None:
         config = deepcopy(base.config)
         config.__dict__.pop("quantization_config", None)
+        device = model_input_device(policy)
         # no weight initialisation: every parameter is overwritten below, and with
         # --empty_cache_between_phases the copy is built again for each rollout (initialising a 1.5b model
         # took 30.5 s on a 2-core CPU, building it without 0.01 s; the buffers, e.g. RoPE's, are still computed)
-        with torch.device(model_input_device(policy)), _no_init_weights():
+        with torch.device(device if dtype == "bfloat16" else "meta"), _no_init_weights():
             copy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if dtype == "int8":
+            _materialise_int8(copy, sources, device)
         copy.eval().requires_grad_(False)
         policy.__dict__["_lean_rl_generation_copy"] = copy  # not a submodule: outside state_dict and optimizer
-    sources = dict(base.named_modules())
+
+    def merged_weight(source):  # [out, in]: the dequantised base weight, + each active adapter's delta in float32
+        lora = hasattr(source, "base_layer") and hasattr(source, "lora_A")
+        value = dequantize_module_weight(source.base_layer if lora else source)
+        if lora:  # (no float32 copy of unadapted weights: 2 GiB for 7b's LM head)
+            value = value.to(torch.float32)
+            for adapter in source.active_adapters:
+                if adapter in source.lora_A:
+                    value = value + source.get_delta_weight(adapter).to(torch.float32)
+        return value
+
     for name, module in copy.named_modules():
+        if isinstance(module, Int8Linear):
+            source = sources[name]
+            module.refresh(merged_weight(source), getattr(getattr(source, "base_layer", source), "bias", None))
+            continue
         own = dict(module.named_parameters(recurse=False))
         if not own:
             continue
         source = sources[name]
-        lora = hasattr(source, "base_layer") and hasattr(source, "lora_A")
-        layer = source.base_layer if lora else source
+        layer = source.base_layer if hasattr(source, "base_layer") and hasattr(source, "lora_A") else source
         for pname, param in own.items():
-            if pname == "weight" and hasattr(layer, "weight"):
-                value = dequantize_module_weight(layer).to(torch.float32)
-                if lora:
-                    for adapter in source.active_adapters:
-                        if adapter in source.lora_A:
-                            value = value + source.get_delta_weight(adapter).to(torch.float32)
-            else:
-                value = getattr(layer, pname)
-            param.copy_(value)
+            param.copy_(merged_weight(source) if pname == "weight" and hasattr(layer, "weight")
+                        else getattr(layer, pname))
     return copy
+
+
+def _materialise_int8(copy, sources, device):
+    """A copy built on the meta device -> every Linear an Int8Linear on `device`, the other
+    parameters empty bf16 tensors there (filled by generation_copy), the buffers the policy's."""
+    from utils.int8 import Int8Linear
+
+    for name, module in list(copy.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, Int8Linear(child.in_features, child.out_features, child.bias is not None,
+                                                       device=device))
+    for name, module in copy.named_modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[pname] = torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                               requires_grad=False)
+        for bname, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[bname] = sources[name]._buffers[bname].detach().clone().to(device)
 
 
 def _no_init_weights():

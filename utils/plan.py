@@ -155,6 +155,15 @@ def _frozen_bytes(shape, params, quant):
     return (shape.linear_params * quant + (params - shape.linear_params) * 2) if quant else params * 2
 
 
+def generation_copy_bytes(shape, dtype="bfloat16"):
+    """--generation_copy's weights: bf16, or (--generation_copy_dtype int8) every Linear, the LM head too, as
+    int8 codes (the per-row bf16 scales are ~0.05% more) and the embedding and norms in bf16."""
+    if dtype != "int8":
+        return shape.params * 2
+    bf16_part = shape.params - shape.linear_params - (0 if shape.tied else shape.embedding_params)
+    return shape.linear_params + shape.embedding_params + 2 * bf16_part
+
+
 def owned_gpus(num_processes) -> int:
     """The GPUs each process owns (utils/placement.py: with several processes, --ref_device cuda:1
     names a process's own second GPU): the last rank's count, the fewest; 1 without GPUs."""
@@ -246,7 +255,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     # --kv_cache_dtype fp8: one layer's keys and values dequantised to bf16 while attention reads them
     comp["generate/kv_dequantised"] = (gen_rows * cache_len * kv_bytes_per_token(shape) // shape.layers
                                        if args.kv_cache_dtype == "fp8" else 0)
-    comp["generate/copy"] = shape.params * 2 if args.generation_copy else 0  # --generation_copy: bf16 weights
+    comp["generate/copy"] = (generation_copy_bytes(shape, args.generation_copy_dtype)  # --generation_copy
+                             if args.generation_copy else 0)
     # what a rollout leaves allocated for the next one (a captured decoder's KV cache, the copy), unless
     # --empty_cache_between_phases drops them
     kept = 0 if args.empty_cache_between_phases else comp["generate/copy"] + (
@@ -354,6 +364,22 @@ COMPILED_FORWARD, COMPILED_UPDATE = 0.17, 0.49
 # decoding: one step reads the weights and every row's KV cache at DECODE_EFF of the bandwidth, plus a
 # fixed time per layer (kernel launches and sampling: none captured in a graph, fused when compiled)
 DECODE_EFF = 0.81
+# --generation_copy_dtype int8: utils/int8.py's kernel reads the codes at INT8_DECODE_EFF of bf16's efficiency
+# per byte, at 64 rows a slice (fitted to the 7b QLoRA 24GB budget row, 2026-12-02: generate 9.86 s); other
+# row counts scaled as the kernel's time per byte against bf16's F.linear scaled on the H200 (7b's MLP
+# matrices, tests/gpu: 0.55 at 1-7 rows, 0.31 at 64, 0.25 at 128), linear in between
+INT8_DECODE_EFF = 0.43
+INT8_DECODE_ROWS = ((8, 0.55 / 0.31), (64, 1.0), (128, 0.25 / 0.31))
+
+
+def int8_decode_eff(rows):
+    """INT8_DECODE_EFF at a slice of `rows` rows (interpolated in INT8_DECODE_ROWS, held beyond its ends)."""
+    points = INT8_DECODE_ROWS
+    if rows <= points[0][0] or rows >= points[-1][0]:
+        return INT8_DECODE_EFF * (points[0][1] if rows <= points[0][0] else points[-1][1])
+    for (r0, f0), (r1, f1) in zip(points, points[1:]):
+        if r0 <= rows <= r1:
+            return INT8_DECODE_EFF * (f0 + (f1 - f0) * (rows - r0) / (r1 - r0))
 DECODE_LAYER_S = {"compiled": 0.092e-3, "cudagraph": 0.174e-3, "static": 0.45e-3, "hf": 0.91e-3}  # cudagraph: compiled
 # + the difference benchmarks/decode_step.py measured at 1.5b (6.10 - 3.80 ms over 28 layers); static: not measured
 # bitsandbytes 4-bit: dequantising costs DEQUANT_S per weight at every matmul call (decode step,
@@ -491,7 +517,9 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     slice_rows = min(args.generation_slice_size or rows, rows)
     slices = -(-rows // slice_rows)
     if args.generation_copy:
-        weight_bytes, dequant, adapter_s = shape.params * 2, 0.0, 0.0
+        weight_bytes, dequant, adapter_s = generation_copy_bytes(shape, args.generation_copy_dtype), 0.0, 0.0
+        if args.generation_copy_dtype == "int8":
+            weight_bytes /= int8_decode_eff(slice_rows)
     else:
         if lora and bits:
             weight_bytes = shape.linear_params * bits / 8 + (shape.params - shape.linear_params) * 2
@@ -517,8 +545,9 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         prefill *= (part + mb_tokens) / part * whole / (whole + mb_tokens)
         prefill += slices * (-(-P // chunk) - 1) * shape.layers * MB_LAYER_S
     generate = slices * C * decode_step + prefill
-    if args.generation_copy:
-        generate += shape.params * 6 / bw + (shape.linear_params * DEQUANT_S[bits] if bits else 0)
+    if args.generation_copy:  # the refresh: float32 merged weights written and read, the copy written
+        generate += (shape.params * 6 / bw + (shape.linear_params * DEQUANT_S[bits] if bits else 0)
+                     + (shape.params * 8 / bw if args.generation_copy_dtype == "int8" else 0))  # + quantising
     if args.param_offload and not args.generation_copy:
         generate += shape.embedding_params * trained_bytes * 2 / (host * PARAM_OFFLOAD)
     if args.empty_cache_between_phases and backend in CAPTURED_BACKENDS:
@@ -635,6 +664,8 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
         axis("generation_backend", ["compiled", "hf"])
         if args.use_lora or args.load_in_4bit or args.load_in_8bit or args.torch_dtype == "float32":
             axis("generation_copy", [False, True])  # bf16 full-parameter weights: the copy would be the same bytes
+        if args.load_in_4bit or args.load_in_8bit:  # rollouts already sample from quantised weights
+            axis("generation_copy_dtype", ["bfloat16", "int8"])
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
     axis("prefill_chunk_size", [None] + ([PREFILL_CHUNK] if PREFILL_CHUNK < args.max_prompt_length else []))
     axis("empty_cache_between_phases", [False, True])
@@ -648,6 +679,8 @@ def _valid(a):
     if a.activation_offload and not a.use_gradient_checkpointing:
         return False
     if a.generation_backend in CAPTURED_BACKENDS and a.param_offload and not a.generation_copy:
+        return False
+    if a.generation_copy_dtype != "bfloat16" and not a.generation_copy:
         return False
     return True
 
@@ -772,6 +805,10 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_pro
         reasons.append(f"numerics changed: {found['numerics']} (" + (
             "the flags' own numerics fit in no configuration)" if kept is None else
             f"keeping the flags' own would take {kept:.1f} s per step, more than {NUMERICS_SLACK}x)"))
+    if found["args"].generation_copy and found["args"].generation_copy_dtype == "int8" and "generation_copy_dtype" not in (
+            explicit or ()):
+        reasons.append("rollouts' numerics changed: the quantised policy (adapter merged) sampled from an int8 copy "
+                       "(--generation_copy_dtype int8, one scale per row; the training forward is unchanged)")
     reasons.append(f"the fastest of {found['fitting']} fitting configurations ({found['considered']} considered): "
                    f"{final['peak_reserved'] / GIB:.1f} GiB, {final['time']['step']:.1f} s per step estimated")
     return placed + found["flags"], reasons, final
@@ -1063,7 +1100,8 @@ BUDGET_RUNS = [
     dict(row="7b_lora_24gb (before)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.84, step_time_s=26.74,
          flags=("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 64 --generation_backend compiled --empty_cache_between_phases").split()),
-    dict(row="7b_qlora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.55, step_time_s=29.17,
+    dict(row="7b_qlora_24gb (4-bit decoding)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.55,
+         step_time_s=29.17,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload "
                 "--logprob_chunk_size 256 --generation_backend compiled --per_device_train_batch_size 32").split()),
     # a session later: the two rows not run before (planned after both changes). 7b 12GB: its first rollout
@@ -1097,7 +1135,8 @@ BUDGET_RUNS = [
          flags=("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --activation_offload "
                 "--logprob_chunk_size 256 --generation_slice_size 64 --prefill_chunk_size 64 "
                 "--generation_backend compiled --empty_cache_between_phases --per_device_train_batch_size 16").split()),
-    dict(row="1.5b_full_24gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=19.24, step_time_s=11.29,
+    dict(row="1.5b_full_24gb (activation offload)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=19.24,
+         step_time_s=11.29,
          flags=("--use_gradient_checkpointing --torch_compile --activation_offload --logprob_chunk_size 256 "
                 "--optim adamw_8bit --generation_backend compiled --generation_copy --empty_cache_between_phases "
                 "--ref_device swap --per_device_train_batch_size 16").split()),
@@ -1105,6 +1144,21 @@ BUDGET_RUNS = [
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
                 "--logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
                 "--empty_cache_between_phases --ref_device swap").split()),
+]
+
+BUDGET_RUNS += [
+    # 2026-12-02: the two rows whose plans had changed, 4 and 3 steps (medians of steps 2-4 and 2-3). 1.5b 24GB:
+    # steps 6.64, 6.43, 6.81 s (estimated 6.5 before it ran). 7b QLoRA 24GB with the new int8 generation copy:
+    # estimated 18.7 s before it ran (INT8_DECODE_EFF then 1.0, -22%); INT8_DECODE_EFF was then fitted to its
+    # generate time, so for that term it is in-sample (fitted=True)
+    dict(row="1.5b_full_24gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=17.79, step_time_s=6.64,
+         flags=("--use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 --optim adamw_8bit "
+                "--generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap").split()),
+    dict(row="7b_qlora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=18.79, step_time_s=23.92, fitted=True,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 1024 "
+                "--generation_slice_size 64 --generation_backend compiled --generation_copy "
+                "--generation_copy_dtype int8 --empty_cache_between_phases --per_device_train_batch_size 32").split()),
 ]
 
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
@@ -1117,11 +1171,14 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
     ("ppo_7b_80gb", "qwen2.5-7b", "ppo", {"generate": 65.36, "ref": 44.85, "actor_update": 56.05}),
     ("1.5b_full_12gb (unsliced step)", "qwen2.5-1.5b", "grpo", {"generate": 8.43, "ref": 8.17, "actor_update": 9.21}),
     ("7b_lora_24gb (before)", "qwen2.5-7b", "grpo", {"generate": 20.45, "actor_update": 18.3}),
-    ("7b_qlora_24gb", "qwen2.5-7b", "grpo", {"generate": 16.59, "actor_update": 18.56}),
+    ("7b_qlora_24gb (4-bit decoding)", "qwen2.5-7b", "grpo", {"generate": 16.59, "actor_update": 18.56}),
     ("7b_qlora_12gb", "qwen2.5-7b", "grpo", {"generate": 9.29, "ref": 6.57, "actor_update": 8.74}),
     ("7b_full_48gb", "qwen2.5-7b", "grpo", {"generate": 31.47, "ref": 37.49, "actor_update": 38.69}),
     ("7b_lora_24gb", "qwen2.5-7b", "grpo", {"generate": 18.31, "actor_update": 19.88}),
-    ("1.5b_full_24gb", "qwen2.5-1.5b", "grpo", {"generate": 16.34, "ref": 12.25, "actor_update": 16.93}),
+    ("1.5b_full_24gb (activation offload)", "qwen2.5-1.5b", "grpo",
+     {"generate": 16.34, "ref": 12.25, "actor_update": 16.93}),
+    ("1.5b_full_24gb", "qwen2.5-1.5b", "grpo", {"generate": 16.77, "ref": 12.0, "actor_update": 17.26}),
+    ("7b_qlora_24gb", "qwen2.5-7b", "grpo", {"generate": 18.16, "ref": 9.04, "actor_update": 17.58}),
     ("1.5b_full_12gb", "qwen2.5-1.5b", "grpo", {"generate": 9.19, "ref": 7.73, "actor_update": 8.92}),
 ]]
 
@@ -1211,8 +1268,8 @@ def measured_rows():
         out += [(kind, algo, shape, flags, gib, None) for shape, flags, gib in rows]
     for rows, kind in ((TIME_FIT, "fit"), (TIME_HELD_OUT, "held out")):
         out += [(kind, algo, shape, flags.split(), None, step) for shape, algo, flags, step, _ in rows]
-    out += [("held out", row["algo"], row["shape"], row["flags"], row["peak_reserved_gib"], row["step_time_s"])
-            for row in BUDGET_RUNS]
+    out += [("fit" if row.get("fitted") else "held out", row["algo"], row["shape"], row["flags"],
+             row["peak_reserved_gib"], row["step_time_s"]) for row in BUDGET_RUNS]
     return out
 
 
