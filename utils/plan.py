@@ -311,12 +311,16 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
         + comp["reward/weights"]
     grads = sum(comp[f"{r}/gradients"] for r in here)
     casts = comp["actor/autocast_copies"]
+    # compiled, checkpointed decoder layers cast their weights inside their own graphs, freed with the layer;
+    # autocast's cache then holds only the LM head's bf16 copy (plus the layer being run)
+    update_casts = ((shape.embedding_params + shape.linear_params // shape.layers) * 2
+                    if casts and args.torch_compile and args.use_gradient_checkpointing else casts)
     phases = {
         "generate": static + gen_kv + comp["generate/kv_dequantised"] + comp["generate/copy"]
         + (0 if args.generation_copy else casts),
         "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"]) + swapped_ref
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
-        "actor_update": static + kept + grads + max(casts + comp["update/activations"],
+        "actor_update": static + kept + grads + max(update_casts + comp["update/activations"],
                                                     comp["update/activations"] + comp["update/logits"],
                                                     comp["update/optimizer_step"]),
     }
