@@ -518,6 +518,27 @@ def _assert_codes_equal_but_ties(codes, expected, weight, scale):
     assert difference.max() <= 1 and not difference.bool()[~tie].any()
 
 
+def test_int8_linear_refresh_in_row_chunks_equals_one_pass_and_its_product(monkeypatch):
+    """Int8Linear.refresh quantises REFRESH_ROWS rows at a time (bounded temporaries): the codes and scales equal
+    quantize_rows over the whole matrix, rows of zeros get scale 1, and the layer computes x @ (codes * scale)^T
+    + bias."""
+    import utils.int8 as int8
+
+    torch.manual_seed(0)
+    weight = torch.randn(10, 16) * 0.05
+    weight[4] = 0
+    bias = torch.randn(10)
+    layer = int8.Int8Linear(16, 10, bias=True, dtype=torch.float32)
+    monkeypatch.setattr(int8, "REFRESH_ROWS", 3)
+    layer.refresh(weight, bias)
+    codes, scale = int8.quantize_rows(weight)
+    assert torch.equal(layer.codes, codes) and torch.equal(layer.scale, scale.float()) and scale[4] == 1
+    x = torch.randn(5, 16)
+    expected = x @ (codes.float() * scale.float()[:, None]).T + bias
+    torch.testing.assert_close(layer(x), expected)
+    assert (codes.float() * scale.float()[:, None] - weight).abs().max() <= scale.float().max() / 2 + 1e-6
+
+
 def _quantised(linear):
     """torchao's int8 weight-only quantisation of a (peft-wrapped or plain) Linear's bf16 weight."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
