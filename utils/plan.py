@@ -285,7 +285,10 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     comp["update/logits"] = chunk * shape.vocab * LOGIT_BYTES + positions * shape.hidden * 4
     if args.logprob_chunk_size and not args.use_lora:  # the head's weight gradient, summed over chunks
         comp["update/logits"] += 2 * shape.vocab * shape.hidden * train_bytes
-    comp["ref/logits"] = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD + layer_act // 2
+    # a no-grad pass keeps no activations: a layer's peak is its MLP's two [tokens, intermediate] bf16 tensors
+    # (gate and up; counted after the 7b QLoRA 24GB row's reference pass at micro-batches of 32 came out 13% under
+    # the half-a-training-layer count used before; the ten measured reference phases are within 2.4% with it)
+    comp["ref/logits"] = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD + tokens * shape.inter * 4
     # torchao's 4-bit step (compiled) allocates int64 buffers the size of the parameter it steps (on the H200,
     # before utils/optim.py stepped large ones in slices: 1.74 GiB for the 1.5b embedding, 4.06 GiB for the 7b
     # one; both runs ran out of memory there): the largest parameter or STEP_SLICE elements, the smaller
