@@ -462,11 +462,8 @@ def test_int8_generation_copy_quantises_each_linear_as_torchao_does():
     """--generation_copy_dtype int8 (LoRA merged first): each Linear's codes and scales equal torchao's
     Int8WeightOnlyConfig quantisation of the merged bf16 weight (an independent implementation: symmetric,
     one scale per output row), where a value lies exactly halfway between two codes up to that tie's rounding;
-    the embedding,
-    norms and RoPE buffers are the bf16 copy's; refreshed in place after the policy changes; the copy's
+    the embedding, norms and RoPE buffers are the bf16 copy's; refreshed in place after the policy changes; the copy's
     logits stay within int8's error of the bf16 copy's and its greedy tokens mostly agree."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
     from utils.generation import generation_copy
     from utils.int8 import Int8Linear
 
@@ -480,10 +477,7 @@ def test_int8_generation_copy_quantises_each_linear_as_torchao_does():
     assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
     bf16_modules = dict(bf16.named_modules())
     for name, layer in linears.items():
-        reference = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, dtype=torch.bfloat16)
-        reference.weight.data.copy_(bf16_modules[name].weight)
-        quantize_(reference, Int8WeightOnlyConfig())
-        codes, scale = _torchao_codes_and_scale(reference.weight)
+        codes, scale = _torchao_codes_and_scale(_quantised(bf16_modules[name]))
         assert torch.equal(layer.scale.float(), scale.float()), name
         _assert_codes_equal_but_ties(layer.codes, codes, bf16_modules[name].weight, scale)
     assert torch.equal(copy.model.embed_tokens.weight, bf16.model.embed_tokens.weight)

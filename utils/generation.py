@@ -501,10 +501,9 @@ def generation_copy(policy, dtype="bfloat16"):
         copy.eval().requires_grad_(False)
         policy.__dict__["_lean_rl_generation_copy"] = copy  # not a submodule: outside state_dict and optimizer
 
-    def merged_weight(source):  # [out, in]: the dequantised base weight, + each active adapter's delta in float32
-        lora = hasattr(source, "base_layer") and hasattr(source, "lora_A")
-        value = dequantize_module_weight(source.base_layer if lora else source)
-        if lora:  # (no float32 copy of unadapted weights: 2 GiB for 7b's LM head)
+    def merged_weight(source, layer):  # [out, in]: the dequantised base weight, + each active adapter's delta
+        value = dequantize_module_weight(layer)
+        if layer is not source:  # float32 sums (no float32 copy of unadapted weights: 2 GiB for 7b's LM head)
             value = value.to(torch.float32)
             for adapter in source.active_adapters:
                 if adapter in source.lora_A:
@@ -512,17 +511,17 @@ def generation_copy(policy, dtype="bfloat16"):
         return value
 
     for name, module in copy.named_modules():
-        if isinstance(module, Int8Linear):
-            source = sources[name]
-            module.refresh(merged_weight(source), getattr(getattr(source, "base_layer", source), "bias", None))
-            continue
         own = dict(module.named_parameters(recurse=False))
-        if not own:
+        if not own and not isinstance(module, Int8Linear):
             continue
         source = sources[name]
+        # the module under peft's LoRA wrapper, or the module itself
         layer = source.base_layer if hasattr(source, "base_layer") and hasattr(source, "lora_A") else source
+        if isinstance(module, Int8Linear):
+            module.refresh(merged_weight(source, layer), getattr(layer, "bias", None))
+            continue
         for pname, param in own.items():
-            param.copy_(merged_weight(source) if pname == "weight" and hasattr(layer, "weight")
+            param.copy_(merged_weight(source, layer) if pname == "weight" and hasattr(layer, "weight")
                         else getattr(layer, pname))
     return copy
 

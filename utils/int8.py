@@ -1,7 +1,7 @@
 """--generation_copy_dtype int8: Linear layers holding int8 weights with one bf16 scale per output row
 (symmetric, weight-only: W ~= codes * scale, scale = max|W_row| / 127.5, codes = round(W / scale): the
-quantisation torchao's Int8WeightOnlyConfig makes, tested against it). The rollouts' decoding steps (a few to 128 rows)
-read the int8 codes once per step in a Triton kernel that converts them to bf16 inside the matrix
+quantisation torchao's Int8WeightOnlyConfig makes, tested against it). The rollouts' decoding steps (a few
+to 128 rows) read the int8 codes once per step in a Triton kernel that converts them to bf16 inside the matrix
 product; half the bytes of a bf16 copy. Elsewhere (larger products such as the prefill, a CPU, no
 Triton) the codes are converted first and multiplied by torch: the same numbers up to summation order.
 

@@ -382,10 +382,9 @@ INT8_DECODE_ROWS = ((8, 0.55 / 0.31), (64, 1.0), (128, 0.25 / 0.31))
 def int8_decode_eff(rows):
     """INT8_DECODE_EFF at a slice of `rows` rows (interpolated in INT8_DECODE_ROWS, held beyond its ends)."""
     points = INT8_DECODE_ROWS
-    if rows <= points[0][0] or rows >= points[-1][0]:
-        return INT8_DECODE_EFF * (points[0][1] if rows <= points[0][0] else points[-1][1])
+    rows = min(max(rows, points[0][0]), points[-1][0])
     for (r0, f0), (r1, f1) in zip(points, points[1:]):
-        if r0 <= rows <= r1:
+        if rows <= r1:
             return INT8_DECODE_EFF * (f0 + (f1 - f0) * (rows - r0) / (r1 - r0))
 DECODE_LAYER_S = {"compiled": 0.092e-3, "cudagraph": 0.174e-3, "static": 0.45e-3, "hf": 0.91e-3}  # cudagraph: compiled
 # + the difference benchmarks/decode_step.py measured at 1.5b (6.10 - 3.80 ms over 28 layers); static: not measured
@@ -812,8 +811,8 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_pro
         reasons.append(f"numerics changed: {found['numerics']} (" + (
             "the flags' own numerics fit in no configuration)" if kept is None else
             f"keeping the flags' own would take {kept:.1f} s per step, more than {NUMERICS_SLACK}x)"))
-    if found["args"].generation_copy and found["args"].generation_copy_dtype == "int8" and "generation_copy_dtype" not in (
-            explicit or ()):
+    chosen = found["args"]
+    if chosen.generation_copy and chosen.generation_copy_dtype == "int8" and "generation_copy_dtype" not in explicit:
         reasons.append("rollouts' numerics changed: the quantised policy (adapter merged) sampled from an int8 copy "
                        "(--generation_copy_dtype int8, one scale per row; the training forward is unchanged)")
     reasons.append(f"the fastest of {found['fitting']} fitting configurations ({found['considered']} considered): "
