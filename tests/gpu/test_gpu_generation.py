@@ -210,16 +210,22 @@ def test_captured_step_reads_the_refreshed_generation_copy():
     assert not torch.equal(before, after) and torch.equal(after, eager)
 
 
+QWEN_7B_DECODE_MATRICES = {"q/o": (3584, 3584, 2), "k/v": (512, 3584, 2), "gate/up": (18944, 3584, 2),
+                           "down": (3584, 18944, 1)}  # per layer: [N, K] and how many; 28 layers + LM head
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 128])
 def test_int8_kernel_matches_converted_matmul_and_prints_its_time(rows):
-    """utils/int8.py's Triton kernel against the codes converted to bf16 and multiplied by torch (its fallback),
-    at 7b's MLP shapes and decoding row counts: equal up to bf16 summation order; each timed in a CUDA graph
-    beside a bf16 F.linear of the same matrix (printed, not asserted)."""
+    """utils/int8.py's Triton kernel, at every split of K it may choose, against the codes converted to bf16 and
+    multiplied by torch (its fallback), at 7b's decoding shapes and row counts: equal up to bf16 summation order.
+    Each shape is timed in a CUDA graph beside a bf16 F.linear of the same matrix, and a 7b decoding step's
+    matrix products summed (printed, not asserted)."""
     import time
 
     import torch.nn.functional as F
 
-    from utils.int8 import int8_linear, quantize_rows
+    from utils import int8
+    from utils.int8 import int8_linear, quantize_rows, split_candidates
 
     def timed(fn):
         for _ in range(3):
@@ -237,17 +243,27 @@ def test_int8_kernel_matches_converted_matmul_and_prints_its_time(rows):
         return (time.perf_counter() - start) / 200 * 1e6
 
     torch.manual_seed(rows)
-    for n, k in ((18944, 3584), (3584, 18944)):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    step_int8 = step_bf16 = 0.0
+    for name, (n, k, count) in {**QWEN_7B_DECODE_MATRICES, "lm_head": (152064, 3584, 1 / 28)}.items():
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         codes, scale = quantize_rows(weight)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        ours = int8_linear(x, codes, scale).float()
         reference = (F.linear(x, codes.to(torch.bfloat16)) * scale).float()
+        ours = int8_linear(x, codes, scale).float()  # defines the kernel, chooses the split
+        for split in split_candidates(n, k, sms):
+            forced = int8.LAUNCH[0](x, codes, scale, split).float()
+            error = ((forced - reference).norm() / reference.norm()).item()
+            assert error < 1e-2, (name, split, error)
         error = ((ours - reference).norm() / reference.norm()).item()
-        assert error < 1e-2, error
-        print(f"\nrows {rows} [{n} x {k}]: int8 kernel {timed(lambda: int8_linear(x, codes, scale)):.1f} us, "
-              f"converted {timed(lambda: F.linear(x, codes.to(torch.bfloat16)) * scale):.1f} us, "
-              f"bf16 {timed(lambda: F.linear(x, weight)):.1f} us; relative difference {error:.2e}")
+        assert error < 1e-2, (name, error)
+        chosen = int8._SPLITS[(max(16, 1 << (rows - 1).bit_length()), n, k)]
+        t_int8, t_bf16 = timed(lambda: int8_linear(x, codes, scale)), timed(lambda: F.linear(x, weight))
+        step_int8, step_bf16 = step_int8 + 28 * count * t_int8, step_bf16 + 28 * count * t_bf16
+        print(f"\nrows {rows} {name} [{n} x {k}]: int8 kernel {t_int8:.1f} us (split {chosen}), bf16 {t_bf16:.1f} us, "
+              f"floor {n * k / 4.8e6:.1f} us; relative difference {error:.2e}")
+    print(f"rows {rows}: a 7b decoding step's matrix products: int8 {step_int8 / 1e3:.2f} ms, "
+          f"bf16 {step_bf16 / 1e3:.2f} ms (ratio {step_bf16 / step_int8:.2f})")
 
 
 @pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
