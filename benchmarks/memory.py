@@ -71,6 +71,12 @@ SWEEP = [
     ("empty_cache", "--empty_cache_between_phases"),
     ("lora", "--use_lora"),
     ("qlora", "--use_lora --load_in_4bit"),
+    ("prefill_chunk", "--prefill_chunk_size 64"),
+    ("kv_fp8", "--kv_cache_dtype fp8"),
+    ("gen_copy", "--generation_copy"),
+    ("gen_copy_int8", "--generation_copy --generation_copy_dtype int8"),
+    ("qlora_copy", "--use_lora --load_in_4bit --generation_copy"),
+    ("qlora_copy_int8", "--use_lora --load_in_4bit --generation_copy --generation_copy_dtype int8"),
     ("best", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu 8192 "
              "--logprob_chunk_size 1024 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload "
              "--generation_slice_size 32 --empty_cache_between_phases"),
