@@ -504,6 +504,47 @@ def test_int8_generation_copy_quantises_each_linear_as_torchao_does():
     _assert_codes_equal_but_ties(up.codes, expected, policy.get_base_model().model.layers[0].mlp.up_proj.weight, scale)
 
 
+def test_generation_copy_holds_the_policys_own_bf16_tensors(monkeypatch):
+    """Where the copy would only copy a tensor (no adapter on its module, already plain bf16 on the copy's
+    device), it holds the policy's own storage: the bf16 and int8 copies of a bf16 LoRA policy equal, tensor by
+    tensor, copies built without sharing; they see an in-place update of the policy at once; a moved storage
+    is refused; a float32 policy shares nothing."""
+    import utils.generation as generation
+    from utils.generation import generation_copy
+
+    model, _, ids, mask = _model_and_prompts()
+    policy = _lora_policy(model.to(torch.bfloat16))
+    base = policy.get_base_model()
+    for dtype in ("bfloat16", "int8"):
+        copy = generation_copy(policy, dtype)
+        policy.__dict__.pop("_lean_rl_generation_copy")
+        with monkeypatch.context() as patch:
+            patch.setattr(generation, "_shareable", lambda *a: None)
+            unshared = generation_copy(policy, dtype)
+        policy.__dict__["_lean_rl_generation_copy"] = copy
+        own = dict(base.named_parameters())
+        shared = {n for n, p in copy.named_parameters() if n in own and p.data_ptr() == own[n].data_ptr()}
+        assert {"model.embed_tokens.weight", "model.norm.weight"} <= shared
+        assert not any(".q_proj." in n or ".v_proj." in n for n in shared)  # adapted: merged, the copy's own
+        assert ("lm_head.weight" in shared) == (dtype == "bfloat16")  # int8: codes
+        assert ("model.layers.0.mlp.up_proj.weight" in shared) == (dtype == "bfloat16")
+        assert not any(p.data_ptr() == own[n].data_ptr() for n, p in unshared.named_parameters() if n in own)
+        for (name, a), (_, b) in zip(copy.state_dict().items(), unshared.state_dict().items()):
+            assert torch.equal(a, b), name
+        with torch.no_grad():
+            base.model.norm.weight.mul_(2.0)
+        assert torch.equal(copy.model.norm.weight, base.model.norm.weight)
+        assert generation_copy(policy, dtype) is copy
+        policy.__dict__.pop("_lean_rl_generation_copy")
+    copy = generation_copy(policy)
+    base.model.embed_tokens.weight.data = base.model.embed_tokens.weight.data.clone()
+    with pytest.raises(RuntimeError, match="embed_tokens.weight, whose storage has moved"):
+        generation_copy(policy)
+    float32, _, _, _ = _model_and_prompts()
+    copy = generation_copy(_lora_policy(float32))
+    assert not any(hasattr(m, "_lean_rl_shared") for m in copy.modules())
+
+
 def _assert_codes_equal_but_ties(codes, expected, weight, scale):
     """Equal codes, except by one where weight / scale is exactly halfway (round-half-even or not)."""
     ratio = weight.detach().to(torch.bfloat16).float() / scale.float().reshape(-1, 1)

@@ -476,7 +476,14 @@ def generation_copy(policy, dtype="bfloat16"):
     (the LM head too) holds the merged weight as int8 codes with a bf16 scale per output row
     (utils.int8.Int8Linear), the embedding and norms stay bf16: about half the bytes. The int8 copy is
     built on the meta device and its tensors made one module at a time, so building it never holds a
-    bf16 copy (its buffers, RoPE's frequencies, are the policy's)."""
+    bf16 copy (its buffers, RoPE's frequencies, are the policy's).
+
+    A parameter the copy would only copy (a module without an adapter whose tensor is already a plain
+    bf16 tensor on the copy's device: QLoRA's embedding, norms and LM head, every weight of a
+    --torch_dtype bfloat16 policy) is the policy's own storage instead, so the copy costs nothing for it
+    (7b QLoRA: 1.0 GiB for the embedding, 1.0 more for the LM head of a bf16 copy); an optimizer step on
+    the policy is then seen as it happens, which is what a refresh would copy. Such storage must stay put
+    (a captured graph reads its address): a later call refuses to go on if it moved."""
     from copy import deepcopy
 
     from transformers import AutoModelForCausalLM
@@ -498,6 +505,7 @@ def generation_copy(policy, dtype="bfloat16"):
             copy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         if dtype == "int8":
             _materialise_int8(copy, sources, device)
+        _share_policy_tensors(copy, sources, device)
         copy.eval().requires_grad_(False)
         policy.__dict__["_lean_rl_generation_copy"] = copy  # not a submodule: outside state_dict and optimizer
 
@@ -521,9 +529,40 @@ def generation_copy(policy, dtype="bfloat16"):
             module.refresh(merged_weight(source, layer), getattr(layer, "bias", None))
             continue
         for pname, param in own.items():
+            if pname in getattr(module, "_lean_rl_shared", ()):
+                if param.data_ptr() != getattr(layer, pname).data_ptr():
+                    raise RuntimeError(f"the generation copy holds the policy's own {name}.{pname}, whose storage "
+                                       "has moved since (a captured decoding step would read the old address)")
+                continue
             param.copy_(merged_weight(source, layer) if pname == "weight" and hasattr(layer, "weight")
                         else getattr(layer, pname))
     return copy
+
+
+def _shareable(source, pname, shape, device):
+    """The policy's tensor for the copy's parameter `pname` of `source`'s module when the copy may hold it
+    as it is (no adapter on the module, a plain bf16 tensor of `shape` on the copy's `device`), else None."""
+    if hasattr(source, "lora_A") or hasattr(source, "base_layer"):
+        return None
+    tensor = source._parameters.get(pname)
+    if (tensor is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or type(tensor.data) is not torch.Tensor
+            or tensor.dtype != torch.bfloat16):
+        return None  # quantised (bitsandbytes' Params4bit, Int8Params), a DTensor shard, float32, or absent
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return tensor if tensor.shape == shape and tensor.device == device else None
+
+
+def _share_policy_tensors(copy, sources, device):
+    """Each of the copy's parameters that _shareable finds becomes the policy's storage (a new Parameter
+    over it, so requires_grad_ on the copy leaves the policy's alone); the module remembers which."""
+    for name, module in copy.named_modules():
+        for pname, param in list(module._parameters.items()):
+            tensor = None if param is None else _shareable(sources[name], pname, param.shape, device)
+            if tensor is not None:
+                module._parameters[pname] = torch.nn.Parameter(tensor.detach(), requires_grad=False)
+                module._lean_rl_shared = getattr(module, "_lean_rl_shared", ()) + (pname,)
 
 
 def _materialise_int8(copy, sources, device):
@@ -538,9 +577,10 @@ def _materialise_int8(copy, sources, device):
                                                        device=device))
     for name, module in copy.named_modules():
         for pname, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                module._parameters[pname] = torch.nn.Parameter(torch.empty_like(param, device=device),
-                                                               requires_grad=False)
+            if param is not None and param.is_meta:  # left empty where the policy's own tensor will serve
+                if _shareable(sources[name], pname, param.shape, device) is None:
+                    module._parameters[pname] = torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                                   requires_grad=False)
         for bname, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 module._buffers[bname] = sources[name]._buffers[bname].detach().clone().to(device)

@@ -164,6 +164,23 @@ def generation_copy_bytes(shape, dtype="bfloat16"):
     return shape.linear_params + shape.embedding_params + 2 * bf16_part
 
 
+def generation_copy_shared_bytes(shape, args):
+    """Bytes of --generation_copy that are the policy's own tensors, not copies (utils/generation.py holds the
+    tensor of a module without an adapter that the policy keeps in bf16 on the GPU): the norms and the
+    embedding, and in a bf16 copy the untied LM head (LoRA adapts the decoder's Linears only) and, without
+    LoRA, every weight. QLoRA keeps those in bf16; LoRA and full training with --torch_dtype bfloat16."""
+    train_bytes, quant = _storage_bytes(args)
+    if not args.generation_copy or (2 if (args.use_lora and quant) else train_bytes) != 2:
+        return 0
+    moved = {p.strip() for p in args.offload_policy.split(",")} if args.param_offload else set()
+    norms = shape.params - shape.linear_params - shape.embedding_params * (1 if shape.tied else 2)
+    shared = norms + (0 if "embedding" in moved else shape.embedding_params)
+    if args.generation_copy_dtype == "bfloat16":
+        shared += 0 if (shape.tied or "lm_head" in moved) else shape.embedding_params
+        shared += 0 if args.use_lora else shape.linear_params
+    return 2 * shared
+
+
 def owned_gpus(num_processes) -> int:
     """The GPUs each process owns (utils/placement.py: with several processes, --ref_device cuda:1
     names a process's own second GPU): the last rank's count, the fewest; 1 without GPUs."""
@@ -193,8 +210,9 @@ def _other_gpu(device) -> bool:
     return bool(device) and device.startswith("cuda:") and device != "cuda:0"
 
 
-def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
-    """Bytes per component and per phase for one process. `args`: the script's Args (flags).
+def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True) -> dict:
+    """Bytes per component and per phase for one process. `args`: the script's Args (flags). copy_shares=False:
+    a generation copy that holds its own copy of every tensor (as before 2026-12-02; the runs measured then).
     Roles placed on another GPU (`--ref_device cuda:1`, `--critic_device cuda:1`) are left out of the
     phases (the first GPU's) and counted in `other_gpus`: {device: estimated peak reserved bytes}."""
     P, C = args.max_prompt_length, args.max_completion_length
@@ -256,6 +274,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1) -> dict:
     comp["generate/kv_dequantised"] = (gen_rows * cache_len * kv_bytes_per_token(shape) // shape.layers
                                        if args.kv_cache_dtype == "fp8" else 0)
     comp["generate/copy"] = (generation_copy_bytes(shape, args.generation_copy_dtype)  # --generation_copy
+                             - (generation_copy_shared_bytes(shape, args) if copy_shares else 0)
                              if args.generation_copy else 0)
     # what a rollout leaves allocated for the next one (a captured decoder's KV cache, the copy), unless
     # --empty_cache_between_phases drops them
@@ -1170,6 +1189,9 @@ BUDGET_RUNS += [
                 "--generation_copy_dtype int8 --empty_cache_between_phases --per_device_train_batch_size 32").split()),
 ]
 
+# Every run above was measured while --generation_copy held its own copy of every tensor: estimate(...,
+# copy_shares=False) for them (copy_was_shared); a run measured since gets copy_shared=True in its entry.
+
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
 # estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
 # generation short, so they check it rather than hold it out
@@ -1268,6 +1290,12 @@ def main(argv=None):
               + ")" + "".join(f"; {d}: {u / GIB:.1f} GiB" for d, u in final["other_gpus"].items()))
 
 
+def copy_was_shared(flags):
+    """Whether a measured run's generation copy held the policy's own bf16 tensors (estimate's copy_shares):
+    only BUDGET_RUNS rows marked copy_shared=True; every other run listed here was measured before."""
+    return any(row.get("copy_shared", False) for row in BUDGET_RUNS if row["flags"] == list(flags))
+
+
 def measured_rows():
     """(set, algo, shape, flags, measured GiB or None, measured step s or None): every H200 run the
     planner is checked against."""
@@ -1288,7 +1316,7 @@ def print_measured():
     for kind, algo, shape_name, flags, gib, step in measured_rows():
         args = script_args(algo, (WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO) + list(flags))
         shape = load_shape(shape_name)
-        est_gib = estimate(shape, args, algo)["peak_reserved"] / GIB
+        est_gib = estimate(shape, args, algo, copy_shares=copy_was_shared(flags))["peak_reserved"] / GIB
         est_s = estimate_time(shape, args, algo)["step"]
         cells = [f"{est_gib:>9.2f}", f"{gib:>9.2f}" if gib else f"{'':>9}",
                  f"{est_gib / gib - 1:>+7.0%}" if gib else f"{'':>7}", f"{est_s:>8.2f}",
