@@ -567,7 +567,8 @@ def _share_policy_tensors(copy, sources, device):
 
 def _materialise_int8(copy, sources, device):
     """A copy built on the meta device -> every Linear an Int8Linear on `device`, the other
-    parameters empty bf16 tensors there (filled by generation_copy), the buffers the policy's."""
+    parameters empty bf16 tensors there (filled by generation_copy; those the copy will hold as the
+    policy's own, _shareable's, left on the meta device until _share_policy_tensors), the buffers the policy's."""
     from utils.int8 import Int8Linear
 
     for name, module in list(copy.named_modules()):
@@ -577,7 +578,7 @@ def _materialise_int8(copy, sources, device):
                                                        device=device))
     for name, module in copy.named_modules():
         for pname, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:  # left empty where the policy's own tensor will serve
+            if param is not None and param.is_meta:
                 if _shareable(sources[name], pname, param.shape, device) is None:
                     module._parameters[pname] = torch.nn.Parameter(torch.empty_like(param, device=device),
                                                                    requires_grad=False)
