@@ -91,6 +91,11 @@ def _triton_ready():
     return _READY[0]
 
 
+def block_rows(rows):
+    """The kernel's BLOCK_M for `rows` rows of x: the next power of two, at least 16 (tl.dot's least)."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
 def split_candidates(n, k, sms):
     """Splits of the K dimension worth timing for an [N, K] matrix on `sms` multiprocessors: 1, and powers of
     two while the programs (N / 32 per split) stay under 8 per multiprocessor and each split keeps >= 512
@@ -147,7 +152,7 @@ def _define_kernel():
 
     def launch(x, codes, scale, split):
         rows, n, k = x.shape[0], codes.shape[0], x.shape[1]
-        block_m = max(16, triton.next_power_of_2(rows))
+        block_m = block_rows(rows)
         k_per_split = triton.cdiv(triton.cdiv(k, split), 512) * 512  # a multiple of every BLOCK_K
         split = triton.cdiv(k, k_per_split)
         if split == 1:
@@ -164,7 +169,7 @@ def _define_kernel():
     @torch.library.custom_op("lean_rl::int8_mm", mutates_args=())
     def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        key = (max(16, triton.next_power_of_2(x.shape[0])), codes.shape[0], codes.shape[1])
+        key = (block_rows(x.shape[0]), codes.shape[0], codes.shape[1])
         if key not in _SPLITS:
             if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: unsplit, chosen later
                 return launch(x, codes, scale, 1)

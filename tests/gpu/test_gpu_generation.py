@@ -257,7 +257,7 @@ def test_int8_kernel_matches_converted_matmul_and_prints_its_time(rows):
             assert error < 1e-2, (name, split, error)
         error = ((ours - reference).norm() / reference.norm()).item()
         assert error < 1e-2, (name, error)
-        chosen = int8._SPLITS[(max(16, 1 << (rows - 1).bit_length()), n, k)]
+        chosen = int8._SPLITS[(int8.block_rows(rows), n, k)]
         t_int8, t_bf16 = timed(lambda: int8_linear(x, codes, scale)), timed(lambda: F.linear(x, weight))
         step_int8, step_bf16 = step_int8 + 28 * count * t_int8, step_bf16 + 28 * count * t_bf16
         print(f"\nrows {rows} {name} [{n} x {k}]: int8 kernel {t_int8:.1f} us (split {chosen}), bf16 {t_bf16:.1f} us, "
