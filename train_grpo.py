@@ -495,7 +495,8 @@ def main(argv=None):
                             args.generation_backend, keep_decoder=not args.empty_cache_between_phases,
                             from_copy=args.generation_copy, return_logprobs=True,
                             prefill_chunk_size=args.prefill_chunk_size, kv_cache_dtype=args.kv_cache_dtype,
-                            copy_dtype=args.generation_copy_dtype),
+                            copy_dtype=args.generation_copy_dtype,
+                            copy_in_place=args.generation_copy_in_place),
                         "generate", kind="generation")  # [B, C] x2, [B], [B, C]
 
             # 2. rewards: every function on every completion (then DAPO's overlong penalty, --overlong_buffer_len)

@@ -479,7 +479,8 @@ def main(argv=None):
                         args.generation_slice_size, args.generation_backend,
                         keep_decoder=not args.empty_cache_between_phases, from_copy=args.generation_copy,
                         return_logprobs=True, prefill_chunk_size=args.prefill_chunk_size,
-                        kv_cache_dtype=args.kv_cache_dtype, copy_dtype=args.generation_copy_dtype),
+                        kv_cache_dtype=args.kv_cache_dtype, copy_dtype=args.generation_copy_dtype,
+                        copy_in_place=args.generation_copy_in_place),
                     "generate", kind="generation")  # [B, C] x2, [B], [B, C]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)

@@ -63,6 +63,10 @@ BAD_INPUTS = [
     (["--generation_backend", "cudagraph", "--param_offload"], "does not keep; use --generation_backend static, or add --generation_copy"),
     (["--generation_backend", "compiled", "--actor_device", "balanced"], "which --actor_device balanced"),
     (["--generation_copy_dtype", "int8"], "--generation_copy_dtype int8 sets the dtype of --generation_copy's copy"),
+    (["--generation_copy_in_place"], "--generation_copy_in_place needs --generation_copy"),
+    (["--generation_copy_in_place", "--generation_copy"], "--generation_copy_in_place needs --use_lora"),
+    (["--generation_copy_in_place", "--generation_copy", "--use_lora"],
+     "--generation_copy_in_place needs --torch_dtype bfloat16 (the base is float32)"),
 ]
 
 

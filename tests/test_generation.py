@@ -545,6 +545,81 @@ def test_generation_copy_holds_the_policys_own_bf16_tensors(monkeypatch):
     assert not any(hasattr(m, "_lean_rl_shared") for m in copy.modules())
 
 
+def test_in_place_copy_merges_into_the_base_and_restores_it_bit_for_bit():
+    """--generation_copy_in_place: the copy holds no storage of its own; after a refresh it equals the bf16
+    copy built the usual way (every tensor); restore_merged_base gives back the exact base; a second merge
+    without a restore is refused (the adapters would be added twice)."""
+    from utils.generation import generation_copy, restore_merged_base
+
+    model, *_ = _model_and_prompts()
+    policy = _lora_policy(model.to(torch.bfloat16))
+    base = policy.get_base_model()
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    usual = generation_copy(policy)
+    policy.__dict__.pop("_lean_rl_generation_copy")
+    copy = generation_copy(policy, in_place=True)
+    pointers = {p.data_ptr() for p in base.parameters()}
+    assert all(p.data_ptr() in pointers for p in copy.parameters())  # nothing of its own
+    for (name, a), (_, b) in zip(copy.state_dict().items(), usual.state_dict().items()):
+        assert torch.equal(a, b), name
+    q = "model.layers.1.self_attn.q_proj.base_layer.weight"
+    merged = dict(base.named_parameters())[q].detach().clone()
+    assert not torch.equal(merged, before[q])  # the merge wrote into the base: the checks below mean something
+    with pytest.raises(RuntimeError, match="merged adapters of the last rollout"):
+        generation_copy(policy, in_place=True)
+    restore_merged_base(policy)
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
+    restore_merged_base(policy)  # nothing merged: a no-op
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
+    with torch.no_grad():  # an optimizer step on the adapter: the next merge follows it
+        policy.get_base_model().model.layers[1].self_attn.q_proj.lora_B["default"].weight.mul_(-1.0)
+    assert generation_copy(policy, in_place=True) is copy
+    assert not torch.equal(dict(base.named_parameters())[q], merged)
+    restore_merged_base(policy)
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters() if "lora_" not in n)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_in_place_copy_samples_as_the_bf16_copy_and_leaves_the_base_exact(monkeypatch, fail):
+    """A rollout from the in-place copy: the same tokens and sampling logprobs as from the usual bf16 copy
+    (same seed), and the policy's base exactly as before afterwards, also when the rollout fails midway."""
+    import utils.generation as generation
+    from transformers import GenerationConfig
+
+    from utils.generation import generate_completions
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    rope = {n: b.clone() for n, b in model.named_buffers()}  # float32, as from_pretrained(dtype=bf16) keeps them
+    model.to(torch.bfloat16)
+    for name, buffer in model.named_buffers():
+        buffer.data = rope[name]
+    policy = _lora_policy(model)
+    base = policy.get_base_model()
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=[10**9])
+    outputs = []
+    for in_place in (False, True):
+        if fail and in_place:
+            def broken(*args, **kwargs):
+                assert not torch.equal(dict(base.named_parameters())["model.layers.0.self_attn.q_proj.base_layer.weight"],
+                                       before["model.layers.0.self_attn.q_proj.base_layer.weight"])  # merged now
+                raise RuntimeError("out of memory (made up)")
+            monkeypatch.setattr(generation, "static_cache_generate", broken)
+            with pytest.raises(RuntimeError, match="made up"):
+                generate_completions(policy, ids, mask, config, [10**9], backend="static", from_copy=True,
+                                     copy_in_place=True, keep_decoder=False)
+            break
+        torch.manual_seed(7)
+        outputs.append(generate_completions(policy, ids, mask, config, [10**9], backend="static", from_copy=True,
+                                            return_logprobs=True, copy_in_place=in_place, keep_decoder=False))
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())
+    assert "_lean_rl_merged" not in policy.__dict__
+    if not fail:
+        (ids_a, mask_a, _, lp_a), (ids_b, mask_b, _, lp_b) = outputs
+        assert torch.equal(ids_a, ids_b) and torch.equal(mask_a, mask_b) and torch.equal(lp_a, lp_b)
+
+
 def _assert_codes_equal_but_ties(codes, expected, weight, scale):
     """Equal codes, except by one where weight / scale is exactly halfway (round-half-even or not)."""
     ratio = weight.detach().to(torch.bfloat16).float() / scale.float().reshape(-1, 1)
@@ -592,9 +667,11 @@ def _torchao_codes_and_scale(weight):
 
 
 @pytest.mark.parametrize("script,dtype", [("train_grpo.py", "bfloat16"), ("train_ppo.py", "bfloat16"),
-                                          ("train_grpo.py", "int8")])
+                                          ("train_grpo.py", "int8"), ("train_grpo.py", "in_place")])
 def test_scripts_train_lora_generating_from_the_merged_copy(run, tmp_path, script, dtype):
-    result = run(["--max_steps", "2", "--use_lora", "--generation_copy", "--generation_copy_dtype", dtype,
+    copy = (["--torch_dtype", "bfloat16", "--generation_copy_in_place"] if dtype == "in_place" else
+            ["--generation_copy_dtype", dtype])
+    result = run(["--max_steps", "2", "--use_lora", "--generation_copy", *copy,
                   "--output_dir", str(tmp_path), "--save_strategy", "no"], script=script)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics_of(tmp_path)

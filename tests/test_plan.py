@@ -208,6 +208,29 @@ def test_generation_copy_counts_the_policys_own_bf16_tensors_once():
     assert own - estimate(shape, int8)["components"]["generate/copy"] == 2 * (norms + shape.embedding_params)
 
 
+def test_in_place_copy_costs_no_gpu_bytes_only_the_host_backup_and_the_adapters_time():
+    """--generation_copy_in_place (LoRA on a bf16 base) at 7b: the copy's own bytes are 0 where the usual bf16 copy
+    holds the decoder's Linears (the adapted weights, 2 bytes each); the host holds those once; generation costs
+    what the bf16 copy's does plus the restore over the host link (bytes / rate), and less than decoding through
+    the adapters; the search picks it for the 24 GB card, where the usual copy does not fit."""
+    from utils.plan import GPUS, _set_flags
+
+    shape = load_shape("qwen2.5-7b")
+    lora = ["--use_lora", "--torch_dtype", "bfloat16", "--generation_backend", "compiled"]
+    plain, usual = _workload(lora), _workload(lora + ["--generation_copy"])
+    in_place = _workload(lora + ["--generation_copy", "--generation_copy_in_place"])
+    assert estimate(shape, usual)["components"]["generate/copy"] == 2 * shape.linear_params
+    assert estimate(shape, in_place)["components"]["generate/copy"] == 0
+    assert estimate(shape, in_place)["host_bytes"] - estimate(shape, plain)["host_bytes"] == 2 * shape.linear_params
+    gen = {name: estimate_time(shape, a)["phases"]["generate"] for name, a in (("plain", plain), ("usual", usual),
+                                                                      ("in_place", in_place))}
+    assert gen["in_place"] - gen["usual"] == pytest.approx(2 * shape.linear_params / GPUS["h200"]["host"])
+    assert gen["in_place"] < gen["plain"]
+    card = parse_memory("24GB")
+    found = search(shape, _workload(lora[:3]), "grpo", card, explicit=_set_flags(_workload(lora[:3]), "grpo"))
+    assert found["args"].generation_copy_in_place and found["memory"]["peak_reserved"] <= 0.95 * card
+
+
 def _workload(flags=()):
     return script_args("grpo", WORKLOAD_GRPO + list(flags))
 

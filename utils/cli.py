@@ -73,7 +73,7 @@ HELP_SECTIONS = {
         "kv_cache_dtype", "empty_cache_between_phases",
         "auto_reduce_micro_batch", "plan", "auto_memory", "gpu_memory", "log_memory_every", "memory_report",
         "memory_snapshot"),
-    "speed": ("generation_backend", "generation_copy", "generation_copy_dtype", "torch_compile",
+    "speed": ("generation_backend", "generation_copy", "generation_copy_dtype", "generation_copy_in_place", "torch_compile",
               "attn_implementation", "gather_for_generation"),
     "placement": ("actor_device", "critic_device", "ref_device", "reward_device", "offload_execution_device"),
     "saving and logging": (

@@ -339,7 +339,7 @@ def _fp8_kv_class(cls):
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
                          backend="hf", keep_decoder=True, from_copy=False, return_logprobs=False,
-                         prefill_chunk_size=None, kv_cache_dtype="auto", copy_dtype="bfloat16"):
+                         prefill_chunk_size=None, kv_cache_dtype="auto", copy_dtype="bfloat16", copy_in_place=False):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_slice_size: a smaller KV cache; default all at once; the slices grouped by
     prompt length), with `generate`
@@ -348,7 +348,9 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     (--empty_cache_between_phases): those two drop their KV cache and graph after the rollout,
     so the next phases get that memory back, and capture them again at the next rollout.
     from_copy (--generation_copy): generate from generation_copy(model) instead (dropped after
-    the rollout too with keep_decoder=False; copy_dtype int8: --generation_copy_dtype). prefill_chunk_size
+    the rollout too with keep_decoder=False; copy_dtype int8: --generation_copy_dtype; copy_in_place:
+    --generation_copy_in_place, the adapters merged into the base for the rollout and the exact base put
+    back after it, also when the rollout fails). prefill_chunk_size
     (--prefill_chunk_size): the prompts
     are prefilled that many positions per forward (hf: generate's own prefill_chunk_size);
     kv_cache_dtype fp8 (--kv_cache_dtype): the static backends' cache holds float8 codes (not hf).
@@ -368,7 +370,11 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
         chunked_config.prefill_chunk_size = prefill_chunk_size
     policy = model
     if from_copy:
-        model = generation_copy(policy, copy_dtype)
+        try:
+            model = generation_copy(policy, copy_dtype, copy_in_place)
+        except BaseException:
+            restore_merged_base(policy)
+            raise
     device = model_input_device(model)
     pad = generation_config.pad_token_id
     batch_size = batch_size or prompt_ids.shape[0]
@@ -414,6 +420,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                 slices.append((new.to(prompt_ids.device), new_logprobs.float().to(prompt_ids.device)))
     finally:
         model.train(was_training)
+        if from_copy:
+            restore_merged_base(policy)  # --generation_copy_in_place: the exact base back before any training pass
         if not keep_decoder:
             model.__dict__.pop("_lean_rl_decoder", None)
             policy.__dict__.pop("_lean_rl_generation_copy", None)
@@ -464,7 +472,7 @@ class _SampledLogprobs:
 
 
 @torch.no_grad()
-def generation_copy(policy, dtype="bfloat16"):
+def generation_copy(policy, dtype="bfloat16", in_place=False):
     """--generation_copy: a plain bf16 model of the policy's architecture, on the policy's input
     device, kept with the policy and refreshed in place before each rollout (fixed addresses, so a
     captured decoding graph stays valid): LoRA adapters merged into their base weights (W + the
@@ -483,7 +491,13 @@ def generation_copy(policy, dtype="bfloat16"):
     --torch_dtype bfloat16 policy) is the policy's own storage instead, so the copy costs nothing for it
     (7b QLoRA: 1.0 GiB for the embedding, 1.0 more for the LM head of a bf16 copy); an optimizer step on
     the policy is then seen as it happens, which is what a refresh would copy. Such storage must stay put
-    (a captured graph reads its address): a later call refuses to go on if it moved."""
+    (a captured graph reads its address): a later call refuses to go on if it moved.
+
+    in_place (--generation_copy_in_place; LoRA on a bf16 base on the copy's device): the adapted modules'
+    weights are shared too, so the copy holds no weight of its own (7b: 15.2 GB less than a bf16 copy). Each
+    refresh writes W + delta into the base's own storage (the bf16 copy's numerics exactly) after keeping the
+    exact base once in CPU memory (pinned on a GPU: 13 GiB at 7b); restore_merged_base puts it back, bit for
+    bit, after the rollout (generate_completions does, also when the rollout fails)."""
     from copy import deepcopy
 
     from transformers import AutoModelForCausalLM
@@ -494,6 +508,11 @@ def generation_copy(policy, dtype="bfloat16"):
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     sources = dict(base.named_modules())
     copy = policy.__dict__.get("_lean_rl_generation_copy")
+    if in_place and dtype != "bfloat16":
+        raise ValueError("an in-place generation copy is bf16: the int8 copy holds codes of its own")
+    if policy.__dict__.get("_lean_rl_merged"):
+        raise RuntimeError("the policy's base still holds the merged adapters of the last rollout (restore_merged_base "
+                           "was not called); merging again would add the adapters twice")
     if copy is None:
         config = deepcopy(base.config)
         config.__dict__.pop("quantization_config", None)
@@ -501,11 +520,13 @@ def generation_copy(policy, dtype="bfloat16"):
         # no weight initialisation: every parameter is overwritten below, and with
         # --empty_cache_between_phases the copy is built again for each rollout (initialising a 1.5b model
         # took 30.5 s on a 2-core CPU, building it without 0.01 s; the buffers, e.g. RoPE's, are still computed)
-        with torch.device(device if dtype == "bfloat16" else "meta"), _no_init_weights():
+        with torch.device(device if (dtype == "bfloat16" and not in_place) else "meta"), _no_init_weights():
             copy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         if dtype == "int8":
             _materialise_int8(copy, sources, device)
-        _share_policy_tensors(copy, sources, device)
+        elif in_place:  # every tensor the policy's where it can be; anything else made on the device
+            _materialise(copy, sources, device, in_place=True)
+        _share_policy_tensors(copy, sources, device, in_place)
         copy.eval().requires_grad_(False)
         policy.__dict__["_lean_rl_generation_copy"] = copy  # not a submodule: outside state_dict and optimizer
 
@@ -518,6 +539,7 @@ def generation_copy(policy, dtype="bfloat16"):
                     value = value + source.get_delta_weight(adapter).to(torch.float32)
         return value
 
+    merges = []  # in place: (the copy's parameter = the base's storage, its module in the policy, the layer)
     for name, module in copy.named_modules():
         own = dict(module.named_parameters(recurse=False))
         if not own and not isinstance(module, Int8Linear):
@@ -533,17 +555,41 @@ def generation_copy(policy, dtype="bfloat16"):
                 if param.data_ptr() != getattr(layer, pname).data_ptr():
                     raise RuntimeError(f"the generation copy holds the policy's own {name}.{pname}, whose storage "
                                        "has moved since (a captured decoding step would read the old address)")
+                if pname == "weight" and getattr(module, "_lean_rl_merge_in_place", False):
+                    merges.append((name, param, source, layer))
                 continue
             param.copy_(merged_weight(source, layer) if pname == "weight" and hasattr(layer, "weight")
                         else getattr(layer, pname))
+    if merges:
+        backups = policy.__dict__.setdefault("_lean_rl_base_backup", {})  # the exact frozen base, kept once
+        merged = []
+        for name, param, source, layer in merges:
+            if name not in backups:
+                backups[name] = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=param.is_cuda)
+                backups[name].copy_(param)
+            policy.__dict__["_lean_rl_merged"] = merged  # before the first write: a failure restores what was written
+            value = merged_weight(source, layer)  # float32, a new tensor (read from the base before it is written)
+            param.copy_(value)
+            merged.append((param, backups[name]))
     return copy
 
 
-def _shareable(source, pname, shape, device):
+@torch.no_grad()
+def restore_merged_base(policy):
+    """After an in-place generation copy's rollout: the exact base weights back from their CPU copy (a
+    no-op when nothing is merged). Asynchronous from pinned memory, ordered before the next pass on the stream."""
+    for param, backup in policy.__dict__.pop("_lean_rl_merged", None) or ():
+        param.copy_(backup, non_blocking=param.is_cuda)
+
+
+def _shareable(source, pname, shape, device, in_place=False):
     """The policy's tensor for the copy's parameter `pname` of `source`'s module when the copy may hold it
-    as it is (no adapter on the module, a plain bf16 tensor of `shape` on the copy's `device`), else None."""
+    as it is (no adapter on the module, a plain bf16 tensor of `shape` on the copy's `device`), else None.
+    in_place: an adapted module's base tensor too (its weight then merged in place at each refresh)."""
     if hasattr(source, "lora_A") or hasattr(source, "base_layer"):
-        return None
+        if not (in_place and hasattr(source, "lora_A") and hasattr(source, "base_layer")):
+            return None
+        source = source.base_layer
     tensor = source._parameters.get(pname)
     if (tensor is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or type(tensor.data) is not torch.Tensor
             or tensor.dtype != torch.bfloat16):
@@ -554,21 +600,22 @@ def _shareable(source, pname, shape, device):
     return tensor if tensor.shape == shape and tensor.device == device else None
 
 
-def _share_policy_tensors(copy, sources, device):
+def _share_policy_tensors(copy, sources, device, in_place=False):
     """Each of the copy's parameters that _shareable finds becomes the policy's storage (a new Parameter
-    over it, so requires_grad_ on the copy leaves the policy's alone); the module remembers which."""
+    over it, so requires_grad_ on the copy leaves the policy's alone); the module remembers which (and, in
+    place, that its weight is an adapted base's, to merge at each refresh)."""
     for name, module in copy.named_modules():
         for pname, param in list(module._parameters.items()):
-            tensor = None if param is None else _shareable(sources[name], pname, param.shape, device)
+            tensor = None if param is None else _shareable(sources[name], pname, param.shape, device, in_place)
             if tensor is not None:
                 module._parameters[pname] = torch.nn.Parameter(tensor.detach(), requires_grad=False)
                 module._lean_rl_shared = getattr(module, "_lean_rl_shared", ()) + (pname,)
+                if pname == "weight" and hasattr(sources[name], "lora_A"):
+                    module._lean_rl_merge_in_place = True
 
 
 def _materialise_int8(copy, sources, device):
-    """A copy built on the meta device -> every Linear an Int8Linear on `device`, the other
-    parameters empty bf16 tensors there (filled by generation_copy; those the copy will hold as the
-    policy's own, _shareable's, left on the meta device until _share_policy_tensors), the buffers the policy's."""
+    """A copy built on the meta device -> every Linear an Int8Linear on `device`, the rest as _materialise."""
     from utils.int8 import Int8Linear
 
     for name, module in list(copy.named_modules()):
@@ -576,10 +623,17 @@ def _materialise_int8(copy, sources, device):
             if isinstance(child, torch.nn.Linear):
                 setattr(module, child_name, Int8Linear(child.in_features, child.out_features, child.bias is not None,
                                                        device=device))
+    _materialise(copy, sources, device)
+
+
+def _materialise(copy, sources, device, in_place=False):
+    """The meta parameters of a copy built on the meta device -> empty bf16 tensors on `device` (filled by
+    generation_copy; those the copy will hold as the policy's own, _shareable's, left on the meta device until
+    _share_policy_tensors), the buffers the policy's."""
     for name, module in copy.named_modules():
         for pname, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
-                if _shareable(sources[name], pname, param.shape, device) is None:
+                if _shareable(sources[name], pname, param.shape, device, in_place) is None:
                     module._parameters[pname] = torch.nn.Parameter(torch.empty_like(param, device=device),
                                                                    requires_grad=False)
         for bname, buffer in list(module._buffers.items()):

@@ -168,7 +168,8 @@ def generation_copy_shared_bytes(shape, args):
     """Bytes of --generation_copy that are the policy's own tensors, not copies (utils/generation.py holds the
     tensor of a module without an adapter that the policy keeps in bf16 on the GPU): the norms and the
     embedding, and in a bf16 copy the untied LM head (LoRA adapts the decoder's Linears only) and, without
-    LoRA, every weight. QLoRA keeps those in bf16; LoRA and full training with --torch_dtype bfloat16."""
+    LoRA or with --generation_copy_in_place (the adapters merged into the base itself), every weight. QLoRA
+    keeps those in bf16; LoRA and full training with --torch_dtype bfloat16."""
     train_bytes, quant = _storage_bytes(args)
     if not args.generation_copy or (2 if (args.use_lora and quant) else train_bytes) != 2:
         return 0
@@ -177,8 +178,14 @@ def generation_copy_shared_bytes(shape, args):
     shared = norms + (0 if "embedding" in moved else shape.embedding_params)
     if args.generation_copy_dtype == "bfloat16":
         shared += 0 if (shape.tied or "lm_head" in moved) else shape.embedding_params
-        shared += 0 if args.use_lora else shape.linear_params
+        shared += shape.linear_params if (not args.use_lora or args.generation_copy_in_place) else 0
     return 2 * shared
+
+
+def in_place_backup_bytes(shape, args):
+    """--generation_copy_in_place: the exact bf16 base of the decoder's Linears (LoRA's all-linear targets),
+    kept once in pinned CPU memory and written back after each rollout."""
+    return 2 * shape.linear_params if (args.generation_copy and args.generation_copy_in_place) else 0
 
 
 def owned_gpus(num_processes) -> int:
@@ -357,7 +364,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True)
                 peak_reserved=peak_allocated * (1 + slack),
                 host_bytes=offloaded * (train_bytes * 2 + _optimizer_bytes_per_param(args.optim, train_bytes))
                 + (shape.params * 2 if args.ref_device in ("offload", "swap") else 0)
-                + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0),
+                + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0)
+                + (in_place_backup_bytes(shape, args)),
                 tokens_per_micro_batch=tokens, rows=rows)
 
 
@@ -576,6 +584,9 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
                      + (shape.params * 8 / bw if args.generation_copy_dtype == "int8" else 0))  # + quantising
     if args.param_offload and not args.generation_copy:
         generate += shape.embedding_params * trained_bytes * 2 / (host * PARAM_OFFLOAD)
+    if args.generation_copy and args.generation_copy_in_place:  # the exact base back over the host link
+        generate += in_place_backup_bytes(shape, args) / host
+        unmeasured.append("--generation_copy_in_place's restore (assumed at the host link's rate)")
     if args.empty_cache_between_phases and backend in CAPTURED_BACKENDS:
         generate += RECAPTURE_S * slices
     phases["generate"] = generate
@@ -690,6 +701,8 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
         axis("generation_backend", ["compiled", "hf"])
         if args.use_lora or args.load_in_4bit or args.load_in_8bit or args.torch_dtype == "float32":
             axis("generation_copy", [False, True])  # bf16 full-parameter weights: the copy would be the same bytes
+        if args.use_lora and args.torch_dtype == "bfloat16" and not (args.load_in_4bit or args.load_in_8bit):
+            axis("generation_copy_in_place", [False, True])  # the copy without its bytes (LoRA on a bf16 base)
         if args.load_in_4bit or args.load_in_8bit:  # rollouts already sample from quantised weights
             axis("generation_copy_dtype", ["bfloat16", "int8"])
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
@@ -707,6 +720,9 @@ def _valid(a):
     if a.generation_backend in CAPTURED_BACKENDS and a.param_offload and not a.generation_copy:
         return False
     if a.generation_copy_dtype != "bfloat16" and not a.generation_copy:
+        return False
+    if a.generation_copy_in_place and (not a.generation_copy or a.generation_copy_dtype != "bfloat16"
+                                       or a.param_offload):
         return False
     return True
 

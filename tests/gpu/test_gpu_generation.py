@@ -293,6 +293,59 @@ def test_int8_copy_in_a_captured_step_follows_the_policy_on_gpu(step_mode):
         assert (after[:, 0] == eager[:, 0]).float().mean() >= 0.75
 
 
+@pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
+def test_in_place_copy_in_a_captured_step_on_gpu(step_mode):
+    """--generation_copy_in_place on a GPU: greedy tokens of a captured step equal the usual bf16 copy's (the
+    same weights: the merged base), a second rollout after an adapter update replays the kept graph over the
+    merged-again base, the exact base comes back from pinned memory after each rollout, and the rollout holds
+    no copy of the weights (allocated memory during it stays within the KV cache's of the adapter-free one)."""
+    from transformers import GenerationConfig
+
+    from utils.generation import generate_completions
+    from utils.modeling import apply_lora
+
+    model, pad, ids, mask = _small_model_and_prompts(initializer_range=0.02)
+    model.to(torch.bfloat16)
+    for module in model.modules():  # RoPE's frequencies in float32, as from_pretrained(dtype=bf16) keeps them
+        if hasattr(module, "inv_freq"):
+            module.inv_freq = module.inv_freq.float()
+    policy = apply_lora(model, r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+    torch.manual_seed(1)
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.05)
+    base = policy.get_base_model()
+    before = {n: p.detach().clone() for n, p in base.named_parameters() if "lora_" not in n}
+    config = GenerationConfig(max_new_tokens=24, do_sample=False, pad_token_id=pad, eos_token_id=[10**9])
+
+    def rollout(in_place):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        out = generate_completions(policy, ids, mask, config, [10**9], backend=step_mode, from_copy=True,
+                                   copy_in_place=in_place, keep_decoder=True)[0]
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - start
+
+    usual, usual_bytes = rollout(False)
+    policy.__dict__.pop("_lean_rl_generation_copy"), policy.__dict__.pop("_lean_rl_decoder", None)
+    in_place, in_place_bytes = rollout(True)
+    assert torch.equal(in_place, usual)
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters() if n in before)
+    weights = sum(p.numel() * 2 for n, p in base.named_parameters() if n in before)
+    print(f"\n{step_mode}: rollout peak above start: usual copy {usual_bytes / 2**20:.1f} MiB, in place "
+          f"{in_place_bytes / 2**20:.1f} MiB (weights {weights / 2**20:.1f} MiB)")
+    assert in_place_bytes < usual_bytes - 0.8 * weights
+    copy = policy.__dict__["_lean_rl_generation_copy"]
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.mul_(-1.0)
+    again, _ = rollout(True)
+    assert policy.__dict__["_lean_rl_generation_copy"] is copy and not torch.equal(again, in_place)
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters() if n in before)
+
+
 def test_grpo_trains_qlora_from_an_int8_copy_on_gpu(run, tmp_path, local_model):
     result = run(["--model_name_or_path", local_model, "--max_steps", "2", "--prompts_per_step", "8",
                   "--num_generations", "4", "--max_completion_length", "32", "--use_lora", "--load_in_4bit",
@@ -303,16 +356,17 @@ def test_grpo_trains_qlora_from_an_int8_copy_on_gpu(run, tmp_path, local_model):
     assert len(rows) == 2 and all(r["optim/grad_norm"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("quantised", [False, True], ids=["lora", "qlora"])
+@pytest.mark.parametrize("quantised", [False, True, "in_place"], ids=["lora", "qlora", "lora_in_place"])
 def test_grpo_trains_lora_generating_from_the_copy_on_gpu(run, tmp_path, local_model, quantised):
     result = run(["--model_name_or_path", local_model, "--max_steps", "3", "--prompts_per_step", "8",
                   "--num_generations", "4", "--max_completion_length", "32", "--use_lora", "--generation_copy",
                   "--generation_backend", "compiled", "--output_dir", str(tmp_path), "--save_strategy", "no"]
-                 + (["--load_in_4bit"] if quantised else []))
+                 + (["--torch_dtype", "bfloat16", "--generation_copy_in_place"] if quantised == "in_place" else
+                    ["--load_in_4bit"] if quantised else []))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics_of(tmp_path)
     assert len(rows) == 3 and all(r["optim/grad_norm"] > 0 for r in rows)
-    print(f"\n{'QLoRA' if quantised else 'LoRA'} + copy: generate {rows[-1]['time/generate']:.2f} s, "
+    print(f"\n{'LoRA in place' if quantised == 'in_place' else 'QLoRA' if quantised else 'LoRA'} + copy: generate {rows[-1]['time/generate']:.2f} s, "
           f"step {rows[-1]['time/step']:.2f} s")
 
 
