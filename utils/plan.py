@@ -1173,7 +1173,8 @@ BUDGET_RUNS = [
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --optim adamw_4bit "
                 "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
                 "--per_device_train_batch_size 2").split()),
-    dict(row="7b_lora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.38, step_time_s=27.35,
+    dict(row="7b_lora_24gb (adapters in the step)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.38,
+         step_time_s=27.35,
          flags=("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --activation_offload "
                 "--logprob_chunk_size 256 --generation_slice_size 64 --prefill_chunk_size 64 "
                 "--generation_backend compiled --empty_cache_between_phases --per_device_train_batch_size 16").split()),
@@ -1199,7 +1200,8 @@ BUDGET_RUNS += [
     # 7b QLoRA 24GB again, after the int8 kernel's splits of K (3 steps, median of 2-3: 22.26, 22.57 s; estimated
     # 21.9 s before it ran with INT8_DECODE_EFF 0.43, -2%); INT8_DECODE_EFF was then refitted to its generate
     # time (in-sample for that term, fitted=True). The first run (the unsplit kernel): generate 9.86 s
-    dict(row="7b_qlora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=18.79, step_time_s=22.42, fitted=True,
+    dict(row="7b_qlora_24gb (slices of 64)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=18.79,
+         step_time_s=22.42, fitted=True,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 1024 "
                 "--generation_slice_size 64 --generation_backend compiled --generation_copy "
                 "--generation_copy_dtype int8 --empty_cache_between_phases --per_device_train_batch_size 32").split()),
@@ -1207,6 +1209,25 @@ BUDGET_RUNS += [
 
 # Every run above was measured while --generation_copy held its own copy of every tensor: estimate(...,
 # copy_shares=False) for them (copy_was_shared); a run measured since gets copy_shared=True in its entry.
+
+BUDGET_RUNS += [
+    # 2026-12-02, later, held out (3 steps, median of steps 2-3). 7b LoRA 24GB with --generation_copy_in_place:
+    # 24.09, 24.16 s (estimated 22.3 before it ran; generate 9.00 s measured, 9.00 estimated: the adapters'
+    # cost in the step was the 3 s the in-place copy took off; ref 3.09 / 2.49, update 11.96 / 10.78).
+    # 7b QLoRA 24GB, the int8 copy sharing the policy's bf16 tensors, unsliced: 20.63, 20.62 s (estimated 18.0;
+    # generate 7.43 / 5.96: the int8 kernel at 128 rows is slower than INT8_DECODE_ROWS has it)
+    dict(row="7b_lora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.28, step_time_s=24.13,
+         copy_shared=True,
+         flags=("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --activation_offload "
+                "--logprob_chunk_size 256 --generation_slice_size 64 --prefill_chunk_size 64 "
+                "--generation_backend compiled --generation_copy --generation_copy_in_place "
+                "--empty_cache_between_phases --per_device_train_batch_size 16").split()),
+    dict(row="7b_qlora_24gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=19.85, step_time_s=20.62,
+         copy_shared=True,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 1024 "
+                "--prefill_chunk_size 64 --generation_backend compiled --generation_copy --generation_copy_dtype int8 "
+                "--empty_cache_between_phases --per_device_train_batch_size 32").split()),
+]
 
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
 # estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
@@ -1221,12 +1242,14 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
     ("7b_qlora_24gb (4-bit decoding)", "qwen2.5-7b", "grpo", {"generate": 16.59, "actor_update": 18.56}),
     ("7b_qlora_12gb", "qwen2.5-7b", "grpo", {"generate": 9.29, "ref": 6.57, "actor_update": 8.74}),
     ("7b_full_48gb", "qwen2.5-7b", "grpo", {"generate": 31.47, "ref": 37.49, "actor_update": 38.69}),
-    ("7b_lora_24gb", "qwen2.5-7b", "grpo", {"generate": 18.31, "actor_update": 19.88}),
+    ("7b_lora_24gb (adapters in the step)", "qwen2.5-7b", "grpo", {"generate": 18.31, "actor_update": 19.88}),
     ("1.5b_full_24gb (activation offload)", "qwen2.5-1.5b", "grpo",
      {"generate": 16.34, "ref": 12.25, "actor_update": 16.93}),
     ("1.5b_full_24gb", "qwen2.5-1.5b", "grpo", {"generate": 16.77, "ref": 12.0, "actor_update": 17.26}),
-    ("7b_qlora_24gb", "qwen2.5-7b", "grpo", {"generate": 18.16, "ref": 9.04, "actor_update": 17.58}),
+    ("7b_qlora_24gb (slices of 64)", "qwen2.5-7b", "grpo", {"generate": 18.16, "ref": 9.04, "actor_update": 17.58}),
     ("1.5b_full_12gb", "qwen2.5-1.5b", "grpo", {"generate": 9.19, "ref": 7.73, "actor_update": 8.92}),
+    ("7b_lora_24gb", "qwen2.5-7b", "grpo", {"generate": 18.22, "ref": 16.41, "actor_update": 19.72}),
+    ("7b_qlora_24gb", "qwen2.5-7b", "grpo", {"generate": 19.23, "ref": 9.02, "actor_update": 17.28}),
 ]]
 
 
