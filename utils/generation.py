@@ -569,8 +569,8 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
                 backups[name].copy_(param)
             policy.__dict__["_lean_rl_merged"] = merged  # before the first write: a failure restores what was written
             value = merged_weight(source, layer)  # float32, a new tensor (read from the base before it is written)
+            merged.append((param, backups[name]))  # before its write: restoring an unwritten tensor is harmless
             param.copy_(value)
-            merged.append((param, backups[name]))
     return copy
 
 
