@@ -555,7 +555,7 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
                 if param.data_ptr() != getattr(layer, pname).data_ptr():
                     raise RuntimeError(f"the generation copy holds the policy's own {name}.{pname}, whose storage "
                                        "has moved since (a captured decoding step would read the old address)")
-                if pname == "weight" and getattr(module, "_lean_rl_merge_in_place", False):
+                if pname == "weight" and layer is not source:  # an adapted base shared: only in place
                     merges.append((name, param, source, layer))
                 continue
             param.copy_(merged_weight(source, layer) if pname == "weight" and hasattr(layer, "weight")
@@ -602,16 +602,13 @@ def _shareable(source, pname, shape, device, in_place=False):
 
 def _share_policy_tensors(copy, sources, device, in_place=False):
     """Each of the copy's parameters that _shareable finds becomes the policy's storage (a new Parameter
-    over it, so requires_grad_ on the copy leaves the policy's alone); the module remembers which (and, in
-    place, that its weight is an adapted base's, to merge at each refresh)."""
+    over it, so requires_grad_ on the copy leaves the policy's alone); the module remembers which."""
     for name, module in copy.named_modules():
         for pname, param in list(module._parameters.items()):
             tensor = None if param is None else _shareable(sources[name], pname, param.shape, device, in_place)
             if tensor is not None:
                 module._parameters[pname] = torch.nn.Parameter(tensor.detach(), requires_grad=False)
                 module._lean_rl_shared = getattr(module, "_lean_rl_shared", ()) + (pname,)
-                if pname == "weight" and hasattr(sources[name], "lora_A"):
-                    module._lean_rl_merge_in_place = True
 
 
 def _materialise_int8(copy, sources, device):

@@ -365,7 +365,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True)
                 host_bytes=offloaded * (train_bytes * 2 + _optimizer_bytes_per_param(args.optim, train_bytes))
                 + (shape.params * 2 if args.ref_device in ("offload", "swap") else 0)
                 + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0)
-                + (in_place_backup_bytes(shape, args)),
+                + in_place_backup_bytes(shape, args),
                 tokens_per_micro_batch=tokens, rows=rows)
 
 
