@@ -101,6 +101,58 @@ def test_sampled_frequencies_follow_the_model():
     torch.testing.assert_close(counts[top], probs[top], atol=0.03, rtol=0)
 
 
+def test_lora_under_autocast_skips_the_input_cast_and_keeps_every_number():
+    """apply_lora's adapters on a bf16 base (PEFT keeps them in float32): under autocast they take the bf16
+    input as it is instead of PEFT's float32 copy (checked at lora_A's input), and the logits and every
+    gradient (adapters and embedding) are bit for bit PEFT's own; without autocast they cast as PEFT does."""
+    import copy
+
+    from utils.modeling import _AUTOCAST_CASTS, apply_lora
+
+    tokenizer = toy.build_tokenizer()
+    base = toy.build_model(tokenizer, seed=5).to(torch.bfloat16)
+    policy = apply_lora(base, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    policy.get_input_embeddings().weight.requires_grad_(True)  # a gradient through every adapter's input
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    assert {p.dtype for n, p in policy.named_parameters() if "lora_" in n} == {torch.float32}
+    peft_own = copy.deepcopy(policy)  # the same weights, PEFT's layer classes
+    for module in peft_own.modules():
+        if type(module) in _AUTOCAST_CASTS.values():
+            module.__class__ = type(module).__mro__[1]
+    seen = {}
+
+    def record(model, key):
+        for name, module in model.named_modules():
+            if name.endswith("lora_A.default"):
+                module.register_forward_pre_hook(lambda m, inputs: seen.setdefault(key, set()).add(inputs[0].dtype))
+
+    record(policy, "ours")
+    record(peft_own, "peft")
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]])
+    weights = torch.randn(2, 8, 100)
+
+    def run(model, autocast):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids).logits
+        (logits.float() * weights).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    for autocast, ours_dtype in [(True, torch.bfloat16), (False, torch.float32)]:
+        seen.clear()
+        ours, ours_grads = run(policy, autocast)
+        want, want_grads = run(peft_own, autocast)
+        assert seen == {"ours": {ours_dtype}, "peft": {torch.float32}}, (autocast, seen)
+        assert torch.equal(ours, want)
+        assert ours_grads.keys() == want_grads.keys() and len(ours_grads) > 10
+        assert any("embed_tokens" in n for n in ours_grads)
+        for name in want_grads:
+            assert torch.equal(ours_grads[name], want_grads[name]), (autocast, name)
+
+
 def test_lora_reference_is_the_base_model_with_the_adapter_disabled():
     """With --use_lora the reference logprobs come from the policy with its adapter disabled:
     they must equal those of an untouched copy of the base model, while the adapted policy differs."""

@@ -31,6 +31,7 @@ def test_debug_on_one_gpu_learns(run, tmp_path):
     ["--use_gradient_checkpointing", "--torch_dtype", "bfloat16", "--num_iterations", "2", "--loss_type", "grpo"],
     ["--mixed_precision", "no", "--beta", "0"],
     ["--use_lora", "--use_gradient_checkpointing", "--learning_rate", "1e-3"],
+    ["--use_lora", "--torch_dtype", "bfloat16", "--use_gradient_checkpointing", "--learning_rate", "1e-3"],
     ["--use_gradient_checkpointing", "--torch_compile", "--generation_backend", "compiled"],
 ])
 def test_local_model_folder_on_gpu(run, tmp_path, local_model, extra):
@@ -45,6 +46,47 @@ def test_local_model_folder_on_gpu(run, tmp_path, local_model, extra):
                                                     "policy/kl", "optim/grad_norm")})
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+@pytest.mark.parametrize("in_features,out_features", [(3584, 512), (3584, 3584), (3584, 18944), (18944, 3584)])
+def test_lora_skips_the_input_cast_under_cuda_autocast(in_features, out_features):
+    """A 7b-shaped Linear of a bf16 base with apply_lora's r16 adapter (float32, as PEFT keeps them), 6144
+    tokens under CUDA autocast: output and gradients (input, A, B) bit for bit PEFT's own layer's, which casts
+    the input to float32 first; the forward + backward times of both printed (not asserted)."""
+    import copy
+
+    from triton.testing import do_bench
+
+    from utils.modeling import _AUTOCAST_CASTS, apply_lora
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.lin = torch.nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
+    ours = apply_lora(holder, r=16, alpha=32, dropout=0.0, target_modules="lin", task_type=None).base_model.model.lin
+    torch.nn.init.normal_(ours.lora_B["default"].weight, std=0.02)
+    peft_own = copy.deepcopy(ours)
+    peft_own.__class__ = type(peft_own).__mro__[1]
+    assert type(ours) in _AUTOCAST_CASTS.values() and type(peft_own) not in _AUTOCAST_CASTS.values()
+    x = torch.randn(6144, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(6144, out_features, device="cuda", dtype=torch.bfloat16)
+
+    def step(layer):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x)
+        out.backward(grad)
+        return out
+
+    results = []
+    for layer in (ours, peft_own):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        out = step(layer)
+        results.append([out, x.grad.clone(), layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    times = [do_bench(lambda: step(layer), warmup=5, rep=40) * 1e3 for layer in (ours, peft_own)]
+    print(f"\n[{out_features} x {in_features}] LoRA forward + backward, 6144 tokens: {times[0]:.0f} us without the "
+          f"input cast, {times[1]:.0f} us with it (PEFT's)")
 
 
 def test_grpo_roles_on_cpu_and_offload_next_to_a_gpu_policy(run, tmp_path, local_model, local_reward_model):
