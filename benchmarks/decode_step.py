@@ -3,6 +3,8 @@
     python benchmarks/decode_step.py --shape qwen2.5-1.5b                        # 128 rows, 256-token prompts
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled,hf --dtypes bf16
     python benchmarks/decode_step.py --shape tiny --rows 4 --prompt_length 8     # CPU smoke test
+    python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --sdpa
+                                                   # attention through SDPA, not the decoding kernel
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
                                                    # the workload's 768-position cache, and where the time goes
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora,lora --rows 32,64,128
@@ -54,6 +56,9 @@ def main(argv=None):
     parser.add_argument("--prompt_length", type=int, default=256)
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=80)
+    parser.add_argument("--sdpa", action="store_true",
+                        help="decoding attention through torch's SDPA instead of utils/decode_attention.py's kernel "
+                             "(the default on a CUDA GPU), for a side-by-side run")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
@@ -72,6 +77,9 @@ def main(argv=None):
     if cache[0] != cache[1]:
         parser.error(f"--short {args.short} and --long {args.long} give static caches of {cache[0]} and {cache[1]} "
                      f"positions after {args.prompt_length}-token prompts: choose both within one multiple of 128")
+    if args.sdpa:
+        from utils import decode_attention
+        decode_attention.usable = lambda *a: False
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     config = shape_config(args.shape)

@@ -122,17 +122,27 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     transformers' SDPA path with a mask (as a static cache needs) copies every layer's keys and
     values Hq/Hkv times first (`repeat_kv`: about 17 GB written per step at qwen2.5-1.5b, 128 rows,
     768 positions, computed); transformers 5.24 packs like this outside torch.compile only. Same
-    numbers. On an H200 the 1.5b step went from 7.4 to 3.5 ms (compiled, bf16)."""
+    numbers. On an H200 the 1.5b step went from 7.4 to 3.5 ms (compiled, bf16). On a CUDA GPU with
+    Triton, the packed product runs in utils/decode_attention.py's kernel, which reads only the cache
+    positions the mask keeps (SDPA reads all `cache_len`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from utils import decode_attention
 
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
     mask_shared = attention_mask is None or attention_mask.shape[1] == 1
-    if q_len != 1 or groups == 1 or not mask_shared or dropout or kwargs.get("position_bias") is not None:
+    if (q_len != 1 or groups == 1 or not mask_shared or dropout or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     packed = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    if decode_attention.usable(packed, key, attention_mask):
+        out = decode_attention.decode_attention(packed, key, value, attention_mask[:, 0, 0, :],
+                                                decode_attention.default_scale(dim) if scaling is None else scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
+                                                               scale=scaling)
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None  # [B, 1, Hq, D]
 
 

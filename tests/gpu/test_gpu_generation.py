@@ -420,3 +420,123 @@ def test_generation_slice_size_slices_give_each_row_its_own_completion_on_gpu(ba
     agree = (sliced == whole).float().mean().item()
     print(f"\n{backend}: sliced rows equal the whole batch's on {agree:.1%} of tokens")
     assert len({tuple(row) for row in whole.tolist()}) > 3 and torch.equal(sliced, whole)
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-7b", "qwen2.5-1.5b"])
+def test_decode_attention_matches_sdpa_reads_only_kept_positions_and_prints_its_time(shape):
+    """utils/decode_attention.py's kernel against SDPA (the packed grouped-query product with the step's mask)
+    at the shape's heads, 128 rows (some left-padded) and the W-GRPO 768-position cache, at three decoding
+    positions: equal up to bf16 rounding, with every position past the current one poisoned with NaN (the
+    kernel never reads it). Timed in a CUDA graph against SDPA at the rollout's mean position, with a few
+    launch configurations (printed, not asserted)."""
+    import time
+
+    from utils import decode_attention
+    from utils.plan import SHAPES
+
+    config = SHAPES[shape]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config["hidden_size"] // heads
+    rows, length, prompt = 128, 768, 256
+    assert decode_attention.ready()
+    torch.manual_seed(0)
+    query = torch.randn(rows, kv_heads, heads // kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    key = torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
+    scale = dim ** -0.5
+
+    def keep_at(position):
+        keep = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
+        keep[:, :position + 1] = True
+        keep[::3, :17] = False  # left padding on every third row
+        return keep
+
+    for position in (prompt, prompt + 255, length - 1):
+        keep = keep_at(position)
+        want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=keep[:, None, None, :],
+                                                                scale=scale).float()
+        poisoned_key, poisoned_value = key.clone(), value.clone()
+        poisoned_key[:, :, position + 1:] = float("nan")
+        poisoned_value[:, :, position + 1:] = float("nan")
+        for block, warps, stages in [(None, None, None), (32, 4, 2), (128, 8, 3)]:
+            ours = decode_attention.LAUNCH[0](query, poisoned_key, poisoned_value, keep.view(torch.uint8), scale,
+                                              block, warps, stages).float()
+            assert torch.isfinite(ours).all()
+            error = (ours - want).abs().max().item()
+            assert error < 2e-2, (position, block, error)
+        op = decode_attention.decode_attention(query, poisoned_key, poisoned_value, keep, scale).float()
+        assert (op - want).abs().max().item() < 2e-2
+
+    def graph_us(fn, calls=28):  # one decoding step's layers
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / (20 * calls) * 1e6
+
+    keep = keep_at(prompt + 256)  # the rollout's mean position
+    mask4 = keep[:, None, None, :]
+    sdpa = graph_us(lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask4,
+                                                                             scale=scale))
+    keep_u8 = keep.view(torch.uint8)
+    times = {}
+    for block in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                times[(block, warps, stages)] = graph_us(
+                    lambda: decode_attention.LAUNCH[0](query, key, value, keep_u8, scale, block, warps, stages))
+    chosen = times[(decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES)]
+    best = min(times, key=times.get)
+    kv_bytes = 2 * rows * kv_heads * (prompt + 257) * dim * 2
+    print(f"\n{shape} ({rows} rows, {kv_heads} kv heads x {heads // kv_heads}, position {prompt + 256} of {length}): "
+          f"SDPA {sdpa:.1f} us a layer, the kernel {chosen:.1f} us as configured (best {times[best]:.1f} at "
+          f"block, warps, stages {best}); the kept keys and values {kv_bytes / 1e6:.1f} MB: "
+          f"{kv_bytes / chosen / 1e3:.0f} GB/s; a 28-layer step {28 * (sdpa - chosen) / 1e3:.2f} ms shorter")
+
+
+@pytest.mark.parametrize("step_mode", ["eager", "cudagraph", "compiled"])
+def test_decode_attention_in_the_decoding_step_keeps_the_greedy_tokens_on_gpu(step_mode, monkeypatch):
+    """A bf16 model's greedy rollout through the kernel (it is called; compiled: no fallback to the uncompiled
+    step) and the same rollout with SDPA forced, each judged by one referee: the model's full forward over
+    prompt + completion (SDPA, no cache), where a greedy token should hold the largest logit. A rounding
+    difference may flip a near tie and the two rollouts then part ways, so their tokens are not compared one
+    by one; the first token is, and the kernel's rollout must be as greedy by the referee as SDPA's."""
+    import warnings
+
+    from utils import decode_attention
+    from utils.generation import static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    model = model.to(torch.bfloat16)
+    calls = []
+    real = decode_attention.decode_attention
+    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                     greedy=True)
+    assert calls and not [w for w in caught if "torch.compile failed" in str(w.message)]
+    model.__dict__.pop("_lean_rl_decoder", None)
+    monkeypatch.setattr(decode_attention, "usable", lambda *a: False)
+    sdpa = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode, greedy=True)
+
+    def gaps(tokens):  # the referee's largest logit minus the chosen token's, per generated token
+        full = torch.cat([ids, tokens], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(tokens)], dim=1)).logits
+        logits = logits[:, ids.shape[1] - 1:-1].float()
+        return logits.max(-1).values - logits.gather(-1, tokens[..., None]).squeeze(-1)
+
+    ours_gap, sdpa_gap = gaps(ours), gaps(sdpa)
+    print(f"\n{step_mode}: {(ours == sdpa).float().mean():.1%} of greedy tokens equal SDPA's; the referee's logit gap "
+          f"mean/max: kernel {ours_gap.mean():.4f}/{ours_gap.max():.3f}, SDPA {sdpa_gap.mean():.4f}/{sdpa_gap.max():.3f}")
+    assert torch.equal(ours[:, 0], sdpa[:, 0])
+    assert ours_gap.mean() <= 2 * sdpa_gap.mean() + 0.02 and ours_gap.max() <= 2 * sdpa_gap.max() + 0.1
