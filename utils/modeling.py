@@ -273,9 +273,9 @@ def skip_input_casts_under_autocast(model):
     number (bf16 -> float32 -> bf16 is exact both ways). While autocast is on, each LoRA layer of
     `model` skips it (PEFT's own `cast_input_dtype_enabled` switch, read when the layer runs); without
     autocast it casts as PEFT does. bitsandbytes' LoRA layers already skip it under autocast. Measured
-    on an H200 (2026-12-02, 6144 tokens, r16, bf16 base under autocast, one Linear's forward + backward):
-    7b's k/v projection 782 -> 589 us, q/o 1221 -> 1107, gate/up 3076 -> 2911, down 3763 -> 2835
-    (the base alone: 231, 448, 2245, 2393)."""
+    on an H200 (2026-12-02, tests/gpu: 6144 tokens, r16, bf16 base under autocast, one Linear's forward +
+    backward, with PEFT's cast -> without): 7b's k/v projection 702 -> 646 us, q/o 898 -> 729, gate/up
+    3193 -> 2912, down 3859 -> 2834; the 7b LoRA 24GB budget row's update 11.96 -> 10.21 s."""
     from peft.tuners.lora import LoraLayer
 
     for module in model.modules():
