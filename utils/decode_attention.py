@@ -12,8 +12,6 @@ key/value heads there are 128-512 programs, enough to fill the GPU). The probabi
 values' dtype before their product with the values, as flash attention does: the same numbers as SDPA up to
 bf16 rounding and summation order (tests/gpu checks them against SDPA).
 """
-import math
-
 import torch
 
 BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 4, 3  # positions per loop step, and the launch: the fastest of 18 at 7b
@@ -116,6 +114,3 @@ def usable(query, key, attention_mask):
             and attention_mask.shape[3] == key.shape[2] and 16 <= dim <= 256 and dim & (dim - 1) == 0
             and ready())
 
-
-def default_scale(dim):
-    return 1.0 / math.sqrt(dim)

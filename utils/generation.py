@@ -5,6 +5,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from utils import decode_attention
 from utils.base import CAPTURED_BACKENDS, static_cache_len
 from utils.memory import fake_oom_check
 from utils.modeling import uncompiled_blocks
@@ -127,8 +128,6 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     positions the mask keeps (SDPA reads all `cache_len`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from utils import decode_attention
-
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
     mask_shared = attention_mask is None or attention_mask.shape[1] == 1
@@ -139,7 +138,7 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     packed = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups
     if decode_attention.usable(packed, key, attention_mask):
         out = decode_attention.decode_attention(packed, key, value, attention_mask[:, 0, 0, :],
-                                                decode_attention.default_scale(dim) if scaling is None else scaling)
+                                                dim ** -0.5 if scaling is None else scaling)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
                                                                scale=scaling)

@@ -293,10 +293,10 @@ def _autocast_cast_class(cls):
             return (self.__dict__.get("cast_input_dtype_enabled", True)
                     and not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")))
 
-        def set(self, value):  # PEFT's own setting (peft.helpers.disable_input_dtype_casting writes it)
+        def put(self, value):  # PEFT's own setting (peft.helpers.disable_input_dtype_casting writes it)
             self.__dict__["cast_input_dtype_enabled"] = value
 
-        _AUTOCAST_CASTS[cls] = type(cls.__name__, (cls,), {"cast_input_dtype_enabled": property(get, set),
+        _AUTOCAST_CASTS[cls] = type(cls.__name__, (cls,), {"cast_input_dtype_enabled": property(get, put),
                                                            "__module__": cls.__module__})
     return _AUTOCAST_CASTS[cls]
 

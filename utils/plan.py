@@ -398,8 +398,9 @@ COMPILED_FORWARD, COMPILED_UPDATE = 0.17, 0.49
 # decoding: one step reads the weights and every row's KV cache at DECODE_EFF of the bandwidth, plus a
 # fixed time per layer (kernel launches and sampling: none captured in a graph, fused when compiled)
 DECODE_EFF = 0.81
-# (both fitted while the step's attention ran through SDPA, which reads every cache position; the kept positions
-# alone run in utils/decode_attention.py's kernel since 2026-12-02: not refitted, no budget row rerun with it)
+# (DECODE_EFF and DECODE_LAYER_S below were fitted while the step's attention ran through SDPA, which reads every
+# cache position; the kept positions alone run in utils/decode_attention.py's kernel since 2026-12-02: not
+# refitted, no budget row rerun with it)
 # --generation_copy_dtype int8: utils/int8.py's kernel reads the codes at INT8_DECODE_EFF of bf16's efficiency
 # per byte, at 64 rows a slice (fitted to the 7b QLoRA 24GB budget row after the kernel's splits of K,
 # 2026-12-02: generate 9.20 s; 0.43 before them, generate 9.86 s); other row counts scaled as the kernel's
