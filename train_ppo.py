@@ -559,14 +559,15 @@ def main(argv=None):
                 mini = order[m * mini_size:(m + 1) * mini_size]
                 num_tokens = mini_tokens[epoch][m]
 
-                def accumulate():  # this mini-batch's actor and critic gradients -> (losses, metric sums)
-                    actor_loss_sum, critic_loss_sum = torch.zeros((), device=home), torch.zeros((), device=home)
-                    mini_sums = torch.zeros(6, device=home)
+                # the actor's pass and step, then the critic's: neither loss depends on the other model, so the
+                # order changes no number, and only one role's gradients are alive at a time
+                def actor_pass():  # this mini-batch's actor gradients -> (loss sum, metric sums)
+                    loss_sum, mini_sums = torch.zeros((), device=home), torch.zeros(4, device=home)
                     micro_plan = make_plan(mini)
                     for i, micro in enumerate(micro_plan):
                         last = i == len(micro_plan) - 1  # all-reduce gradients on the last micro-batch only
                         m_mask = micro.completion(mask)  # [b, c]
-                        with timer.phase("actor_update"), micro_batch_sync(accelerator, actor, last):
+                        with micro_batch_sync(accelerator, actor, last):
                             logprobs, entropy = completion_logprobs(actor, micro.window(input_ids),
                                                                     micro.window(attention_mask), micro.c,
                                                                     args.temperature, entropy=entropy_mode,
@@ -579,29 +580,39 @@ def main(argv=None):
                                 loss = loss - args.entropy_coef * masked_sum(entropy, m_mask) / num_tokens
                             # DDP averages; the loss is a global share. DeepSpeed: the engine steps after the last
                             backward(accelerator, actor, loss * num_processes, last)
-                        with timer.phase("critic_update"), micro_batch_sync(accelerator, critic, last):
+                        loss_sum += loss.detach()
+                        mini_sums += torch.stack([clipped, approx_kl, (entropy.detach() * m_mask).sum(), m_mask.sum()])
+                    return loss_sum, mini_sums
+
+                def critic_pass():  # this mini-batch's critic gradients -> (loss sum, metric sums)
+                    loss_sum, mini_sums = torch.zeros((), device=home), torch.zeros(2, device=home)
+                    micro_plan = make_plan(mini)
+                    for i, micro in enumerate(micro_plan):
+                        last = i == len(micro_plan) - 1
+                        m_mask = micro.completion(mask)  # [b, c]
+                        with micro_batch_sync(accelerator, critic, last):
                             values = completion_values(critic, micro.window(input_ids), micro.window(attention_mask),
                                                        micro.c)
                             v_loss, v_clipped = value_loss(values, micro.completion(old_values),
                                                            micro.completion(returns), m_mask, args.cliprange_value,
                                                            num_tokens)
                             backward(accelerator, critic, args.vf_coef * v_loss * num_processes, last)
-                        actor_loss_sum += loss.detach()
-                        critic_loss_sum += v_loss.detach()
-                        mini_sums += torch.stack([clipped, approx_kl, (entropy.detach() * m_mask).sum(), v_clipped,
-                                                  m_mask.sum(), v_loss.detach() * num_tokens])
-                    return actor_loss_sum, critic_loss_sum, mini_sums
+                        loss_sum += v_loss.detach()
+                        mini_sums += torch.stack([v_clipped, v_loss.detach() * num_tokens])
+                    return loss_sum, mini_sums
 
-                # out of memory: gradients zeroed, micro-batches halved, the mini-batch redone (exact)
-                actor_loss_sum, critic_loss_sum, mini_sums = shrink.retry(
-                    accumulate, "actor/critic update", optimizers=[actor_optimizer, critic_optimizer])
-                sums += mini_sums
+                # out of memory: that role's gradients zeroed, micro-batches halved, its pass redone (exact)
                 with timer.phase("actor_update"):
+                    actor_loss_sum, actor_sums = shrink.retry(actor_pass, "actor update", optimizers=[actor_optimizer])
                     actor_norm, actor_ok = clip_and_step(accelerator, actor, actor_optimizer, actor_scheduler,
                                                          args.max_grad_norm, actor_loss_sum)
                 with timer.phase("critic_update"):
+                    critic_loss_sum, critic_sums = shrink.retry(critic_pass, "critic update",
+                                                                optimizers=[critic_optimizer])
                     critic_norm, critic_ok = clip_and_step(accelerator, critic, critic_optimizer, critic_scheduler,
                                                            args.max_grad_norm, critic_loss_sum)
+                # clipped, approx_kl, entropy, value clipped, tokens, value loss
+                sums += torch.cat([actor_sums[:3], critic_sums[:1], actor_sums[3:], critic_sums[1:]])
                 guard.record(actor_ok and critic_ok, step, "actor/critic update")
                 norms.append(torch.stack([actor_norm.to(home), critic_norm.to(home)]))  # the critic may be elsewhere
                 policy_losses.append(actor_loss_sum)
