@@ -552,7 +552,7 @@ def main(argv=None):
         orders = [torch.randperm(local_size, device=home) for _ in range(args.ppo_epochs)]
         mini_tokens = torch.stack([mask.sum(1)[order].view(args.num_mini_batches, mini_size).sum(1) for order in orders])
         mini_tokens = sum_over_processes(mini_tokens).clamp(min=1).tolist()  # [epochs, mini-batches], one sync
-        sums = torch.zeros(6, device=home)  # clipped, approx_kl, entropy, value clipped, tokens, value loss
+        sums = torch.zeros(6, device=home)  # actor: clipped, approx_kl, entropy, tokens; critic: value clipped, value loss
         norms, policy_losses = [], []
         for epoch, order in enumerate(orders):
             for m in range(args.num_mini_batches):
@@ -611,8 +611,7 @@ def main(argv=None):
                                                                 optimizers=[critic_optimizer])
                     critic_norm, critic_ok = clip_and_step(accelerator, critic, critic_optimizer, critic_scheduler,
                                                            args.max_grad_norm, critic_loss_sum)
-                # clipped, approx_kl, entropy, value clipped, tokens, value loss
-                sums += torch.cat([actor_sums[:3], critic_sums[:1], actor_sums[3:], critic_sums[1:]])
+                sums += torch.cat([actor_sums, critic_sums])
                 guard.record(actor_ok and critic_ok, step, "actor/critic update")
                 norms.append(torch.stack([actor_norm.to(home), critic_norm.to(home)]))  # the critic may be elsewhere
                 policy_losses.append(actor_loss_sum)
@@ -626,7 +625,7 @@ def main(argv=None):
         score_history.append(all_scores.mean().item())
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             global_sums = sum_over_processes(sums)
-            tokens = max(global_sums[4].item(), 1.0)
+            tokens = max(global_sums[3].item(), 1.0)
             all_rewards_per_func = accelerator.gather(rewards_per_func)
             stats = sum_over_processes(torch.stack([
                 (returns * mask).sum(), (returns ** 2 * mask).sum(), ((returns - old_values) * mask).sum(),
@@ -647,7 +646,7 @@ def main(argv=None):
                 "policy/approx_kl": global_sums[1].item() / tokens,
                 "policy/clipfrac": global_sums[0].item() / tokens,
                 "policy/entropy": global_sums[2].item() / tokens,
-                "value/clipfrac": global_sums[3].item() / tokens,
+                "value/clipfrac": global_sums[4].item() / tokens,
                 "value/mean": (stats[4] / n).item(),
                 "value/returns_mean": (stats[0] / n).item(),
                 "value/explained_variance": (1 - var_residual / var_returns.clamp(min=1e-8)).item(),
