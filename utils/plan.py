@@ -221,9 +221,11 @@ def _other_gpu(device) -> bool:
     return bool(device) and device.startswith("cuda:") and device != "cuda:0"
 
 
-def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True) -> dict:
+def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True, updates_apart=True) -> dict:
     """Bytes per component and per phase for one process. `args`: the script's Args (flags). copy_shares=False:
     a generation copy that holds its own copy of every tensor (as before 2026-12-02; the runs measured then).
+    updates_apart=False: PPO's actor and critic passes interleaved per micro-batch, both roles' gradients alive
+    in both update phases (train_ppo.py before 2026-12-03 9d89c71; the PPO runs measured then).
     Roles placed on another GPU (`--ref_device cuda:1`, `--critic_device cuda:1`) are left out of the
     phases (the first GPU's) and counted in `other_gpus`: {device: estimated peak reserved bytes}."""
     P, C = args.max_prompt_length, args.max_completion_length
@@ -343,7 +345,9 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True)
             + positions * shape.hidden * 4
     static = sum(comp[f"{r}/weights"] + comp[f"{r}/optimizer"] for r in here) + comp["ref/weights"] \
         + comp["reward/weights"]
-    grads = sum(comp[f"{r}/gradients"] for r in here)
+    # train_ppo.py steps the actor (all its micro-batches), then the critic: one role's gradients at a time
+    grads = {r: comp[f"{r}/gradients"] for r in here} if updates_apart else dict.fromkeys(
+        here, sum(comp[f"{r}/gradients"] for r in here))
     casts = comp["actor/autocast_copies"]
     # compiled, checkpointed decoder layers cast their weights inside their own graphs, freed with the layer;
     # autocast's cache then holds only the LM head's bf16 copy (plus the layer being run)
@@ -354,14 +358,14 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True)
         + (0 if args.generation_copy else casts),
         "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"]) + swapped_ref
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
-        "actor_update": static + kept + grads + max(update_casts + comp["update/activations"],
+        "actor_update": static + kept + grads["actor"] + max(update_casts + comp["update/activations"],
                                                     comp["update/activations"] + comp["update/logits"],
                                                     comp["update/optimizer_step"]),
     }
     if reward_state and args.reward_device == "swap":  # the reward model on the GPU for its phase only
         phases["reward"] = static + kept + reward_state + comp["ref/logits"] // 4
     if algo == "ppo" and not critic_elsewhere:
-        phases["critic_update"] = static + kept + grads + comp["update/activations"] + positions * shape.hidden * 4
+        phases["critic_update"] = static + kept + grads["critic"] + comp["update/activations"] + positions * shape.hidden * 4
     peak_allocated = max(phases.values())
     slack = RESERVED_SLACK_EMPTIED if args.empty_cache_between_phases and backend != "hf" else RESERVED_SLACK
     return dict(components=comp, phases=phases, peak_allocated=peak_allocated,
@@ -1228,7 +1232,8 @@ BUDGET_RUNS += [
 ]
 
 # Every run above was measured while --generation_copy held its own copy of every tensor: estimate(...,
-# copy_shares=False) for them (copy_was_shared); a run measured since gets copy_shared=True in its entry.
+# copy_shares=False) for them (as_measured); a run measured since gets copy_shared=True in its entry, and a PPO run
+# measured since train_ppo.py's update passes stopped interleaving (2026-12-03, 9d89c71) updates_apart=True.
 
 BUDGET_RUNS += [
     # 2026-12-02, later, held out (3 steps, median of steps 2-3). 7b LoRA 24GB with --generation_copy_in_place:
@@ -1290,8 +1295,22 @@ BUDGET_RUNS += [
          copy_shared=True,
          flags=("--torch_dtype bfloat16 --torch_compile --optim adamw_8bit --generation_backend compiled "
                 "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4").split()),
-    dict(row="ppo_1.5b_24gb", shape="qwen2.5-1.5b", algo="ppo", peak_reserved_gib=19.16, step_time_s=13.94,
+    dict(row="ppo_1.5b_24gb (interleaved updates)", shape="qwen2.5-1.5b", algo="ppo", peak_reserved_gib=19.16,
+         step_time_s=13.94,
          copy_shared=True,
+         flags=("--reward_model_name_or_path x --torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile "
+                "--activation_offload --logprob_chunk_size 256 --optim adamw_8bit --generation_backend compiled "
+                "--empty_cache_between_phases --ref_device swap --reward_device swap "
+                "--per_device_train_batch_size 4").split()),
+]
+
+BUDGET_RUNS += [
+    # 2026-12-03, evening, held out (3 steps, median of steps 2-3): W-PPO 1.5b 24GB, the same flags, once train_ppo.py
+    # stepped the actor's micro-batches, then the critic's (9d89c71; interleaved before): 13.02 s (11.64, 14.41;
+    # estimated 13.2), 17.38 GiB reserved in generate (19.9 estimated then, both roles' gradients counted in both
+    # updates), actor_update 18.82 -> 15.95 GiB allocated and critic_update 17.92 -> 15.10: one role's gradients
+    dict(row="ppo_1.5b_24gb", shape="qwen2.5-1.5b", algo="ppo", peak_reserved_gib=17.38, step_time_s=13.02,
+         copy_shared=True, updates_apart=True,
          flags=("--reward_model_name_or_path x --torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile "
                 "--activation_offload --logprob_chunk_size 256 --optim adamw_8bit --generation_backend compiled "
                 "--empty_cache_between_phases --ref_device swap --reward_device swap "
@@ -1324,9 +1343,11 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
     ("7b_full_80gb (micro-batches of 2)", "qwen2.5-7b", "grpo", {"generate": 38.34, "ref": 49.61, "actor_update": 56.88}),
     ("7b_full_80gb", "qwen2.5-7b", "grpo", {"generate": 38.34, "ref": 45.81, "actor_update": 60.36}),
     # (its reward phase, 15.69 GiB, is left out: 14.58 estimated, -7%, not yet explained)
-    ("ppo_1.5b_24gb", "qwen2.5-1.5b", "ppo", {"generate": 16.39, "ref": 14.91, "actor_update": 18.82,
-                                             "critic_update": 17.92}),
+    ("ppo_1.5b_24gb (interleaved updates)", "qwen2.5-1.5b", "ppo",
+     {"generate": 16.39, "ref": 14.91, "actor_update": 18.82, "critic_update": 17.92}),
     ("7b_qlora_24gb", "qwen2.5-7b", "grpo", {"generate": 19.23, "ref": 9.02, "actor_update": 17.24}),
+    ("ppo_1.5b_24gb", "qwen2.5-1.5b", "ppo", {"generate": 16.39, "ref": 14.91, "actor_update": 15.95,
+                                             "critic_update": 15.10}),
 ]]
 
 
@@ -1406,33 +1427,38 @@ def main(argv=None):
               + ")" + "".join(f"; {d}: {u / GIB:.1f} GiB" for d, u in final["other_gpus"].items()))
 
 
-def copy_was_shared(flags):
-    """Whether a measured run's generation copy held the policy's own bf16 tensors (estimate's copy_shares):
-    only BUDGET_RUNS rows marked copy_shared=True; every other run listed here was measured before."""
-    return any(row.get("copy_shared", False) for row in BUDGET_RUNS if row["flags"] == list(flags))
+def as_measured(flags=None, row=None):
+    """estimate's keywords for a measured run, as the code was when it ran: a BUDGET_RUNS row's own marks
+    (copy_shared=True: the generation copy held the policy's bf16 tensors; updates_apart=True: PPO's actor and
+    critic updated one after the other), or for a run given by its flags, those of the BUDGET_RUNS rows with the
+    same flags; a run without them was measured before both changes."""
+    rows = [row] if row is not None else [r for r in BUDGET_RUNS if r["flags"] == list(flags)]
+    return dict(copy_shares=any(r.get("copy_shared", False) for r in rows),
+                updates_apart=any(r.get("updates_apart", False) for r in rows))
 
 
 def measured_rows():
-    """(set, algo, shape, flags, measured GiB or None, measured step s or None): every H200 run the
-    planner is checked against."""
+    """(set, algo, shape, flags, measured GiB or None, measured step s or None, estimate's keywords as the code
+    was then): every H200 run the planner is checked against."""
     out = []
     for rows, kind, algo in ((MEASURED, "fit", "grpo"), (HELD_OUT, "held out", "grpo"),
                              (HELD_OUT_PPO, "held out", "ppo")):
-        out += [(kind, algo, shape, flags, gib, None) for shape, flags, gib in rows]
+        out += [(kind, algo, shape, flags, gib, None, as_measured(flags)) for shape, flags, gib in rows]
     for rows, kind in ((TIME_FIT, "fit"), (TIME_HELD_OUT, "held out")):
-        out += [(kind, algo, shape, flags.split(), None, step) for shape, algo, flags, step, _ in rows]
+        out += [(kind, algo, shape, flags.split(), None, step, as_measured(flags.split()))
+                for shape, algo, flags, step, _ in rows]
     out += [("fit" if row.get("fitted") else "held out", row["algo"], row["shape"], row["flags"],
-             row["peak_reserved_gib"], row["step_time_s"]) for row in BUDGET_RUNS]
+             row["peak_reserved_gib"], row["step_time_s"], as_measured(row=row)) for row in BUDGET_RUNS]
     return out
 
 
 def print_measured():
     print(f"{'shape':<14}{'est GiB':>9}{'meas GiB':>9}{'error':>7}{'est s':>8}{'meas s':>8}{'error':>7}  "
           f"{'set':<9}flags")
-    for kind, algo, shape_name, flags, gib, step in measured_rows():
+    for kind, algo, shape_name, flags, gib, step, then in measured_rows():
         args = script_args(algo, (WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO) + list(flags))
         shape = load_shape(shape_name)
-        est_gib = estimate(shape, args, algo, copy_shares=copy_was_shared(flags))["peak_reserved"] / GIB
+        est_gib = estimate(shape, args, algo, **then)["peak_reserved"] / GIB
         est_s = estimate_time(shape, args, algo)["step"]
         cells = [f"{est_gib:>9.2f}", f"{gib:>9.2f}" if gib else f"{'':>9}",
                  f"{est_gib / gib - 1:>+7.0%}" if gib else f"{'':>7}", f"{est_s:>8.2f}",
