@@ -58,7 +58,7 @@ from utils.args import SharedArgs, apply_presets, check_shared_args, divisors
 class Args(SharedArgs):  # the shared flags (model, placement, data, rewards, ...) are in utils/args.py
     # --- critic
     critic_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Critic: a reward-model or causal-LM checkpoint (a scalar value head is added); default: the actor's weights."})
-    critic_device: Optional[str] = field(default=None, metadata={"help": "Critic placement: cpu, cuda:N or balanced; default: the process's device."})
+    critic_device: Optional[str] = field(default=None, metadata={"help": "Critic placement: cpu, cuda:N, balanced or swap (pinned CPU memory, copied to --offload_execution_device for the values phase and for each critic update with its optimizer state, both copied back after the step; one process); default: the process's device."})
     critic_learning_rate: Optional[float] = field(default=None, metadata={"help": "Critic peak learning rate; default: --learning_rate."})
     # --- PPO
     prompts_per_step: int = field(default=64, metadata={"help": "Prompts per step (rollout batch) over all processes, one completion each."})
@@ -208,6 +208,9 @@ def check_args(args, num_processes, explicit=frozenset()):
     check_shared_args(args, num_processes)
     if args.critic_learning_rate is None:
         args.critic_learning_rate = args.learning_rate
+    if (args.critic_device or "").strip().lower() == "swap" and args.param_offload:
+        raise UsageError("--critic_device swap with --param_offload: a swapped critic moves whole, its offloaded "
+                         "modules would move twice; choose one")
     for name in ("num_mini_batches", "ppo_epochs", "kl_horizon"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1 (got {getattr(args, name)})")
@@ -411,6 +414,7 @@ def main(argv=None):
         reward_model.model = prepare_frozen(accelerator, reward_model.model, engine, mb)
     accelerator.register_for_checkpointing(actor_scheduler, critic_scheduler)
     unwrapped_actor, unwrapped_critic = accelerator.unwrap_model(actor), accelerator.unwrap_model(critic)
+    critic_swap = getattr(unwrapped_critic, "lean_rl_swap", None)  # --critic_device swap: utils/offload.py PhaseSwap
     eos_ids = sorted(set(eos_token_ids(tokenizer, unwrapped_actor) + stop_ids))
     generation_config = build_generation_config(args.max_completion_length, args.temperature, args.top_p,
                                                 args.top_k, tokenizer.pad_token_id, eos_ids)
@@ -606,7 +610,9 @@ def main(argv=None):
                     actor_loss_sum, actor_sums = shrink.retry(actor_pass, "actor update", optimizers=[actor_optimizer])
                     actor_norm, actor_ok = clip_and_step(accelerator, actor, actor_optimizer, actor_scheduler,
                                                          args.max_grad_norm, actor_loss_sum)
-                with timer.phase("critic_update"):
+                # --critic_device swap: the critic's weights and optimizer state on the GPU for this update only
+                critic_resident = critic_swap.resident(critic_optimizer) if critic_swap else nullcontext()
+                with timer.phase("critic_update"), critic_resident:
                     critic_loss_sum, critic_sums = shrink.retry(critic_pass, "critic update",
                                                                 optimizers=[critic_optimizer])
                     critic_norm, critic_ok = clip_and_step(accelerator, critic, critic_optimizer, critic_scheduler,

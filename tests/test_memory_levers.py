@@ -1,6 +1,7 @@
 """The memory levers: each one that must not change the math is checked against the plain
 computation (values and gradients), the ones that do change it against their documented
 behaviour, and their flag combinations against clear errors."""
+import contextlib
 import copy
 import re
 
@@ -422,6 +423,67 @@ def test_phase_swap_moves_the_whole_model_for_its_phase_only():
     real = mask[:, 5:].bool()
     torch.testing.assert_close(got[real], want.detach()[real], rtol=1e-5, atol=1e-6)
     assert all(t.device.type == "cpu" and t.data_ptr() == before[id(t)] for t in tensors)
+
+
+def test_phase_swap_of_a_trained_model_steps_as_placed_and_keeps_its_state_in_host_buffers():
+    """--critic_device swap: three AdamW steps, each inside `resident(optimizer)`, leave the same weights and
+    moments as three steps of the same model never swapped (the CPU copy is a real copy, so a lost write-back
+    would show); between phases every parameter and every moment is a CPU tensor in a buffer kept from one
+    phase to the next, the 0-dim step counts where the optimizer made them."""
+    from utils.optim import state_tensors
+    from utils.placement import Placement, place_model
+
+    _, model = _model(seed=4)
+    ids, mask = _batch(model.config.vocab_size)
+    placed, swapped = copy.deepcopy(model), place_model(copy.deepcopy(model), Placement("critic", "swap",
+                                                                                      torch.device("cpu")))
+    swap = swapped.lean_rl_swap
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (placed, swapped)]
+    addresses = []
+    for _ in range(3):
+        for m, opt, ctx in ((placed, opts[0], None), (swapped, opts[1], swap)):
+            with ctx.resident(opts[1]) if ctx else contextlib.nullcontext():
+                (m(input_ids=ids, attention_mask=mask).logits.float() ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        moments = [t for t in state_tensors(opts[1]) if t.dim() > 0]
+        assert moments and all(t.device.type == "cpu" for t in moments)
+        addresses.append([t.data_ptr() for t in moments])
+        assert all(p.grad is None for p in swapped.parameters())
+    assert addresses[0] == addresses[1] == addresses[2]  # the host buffers are reused, not allocated per phase
+    for (name, a), b in zip(placed.named_parameters(), swapped.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    for a, b in zip(state_tensors(opts[0]), state_tensors(opts[1])):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_phase_swap_moves_torchaos_quantised_moments_by_their_parts():
+    """torchao's 8-bit moments (a tensor subclass): moved by their codes, scales and map, rebuilt as the same
+    class, equal after a round trip, and back in the same host buffers the next time."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from utils.offload import PhaseSwap
+
+    layer = torch.nn.Linear(64, 64, bias=False)
+    swap = PhaseSwap(layer, torch.device("cpu"))
+
+    class _Opt:  # what PhaseSwap reads of an optimizer: its state
+        state = {layer.weight: {"step": torch.tensor(3.0), "exp_avg": OptimState8bit.zeros((64, 64), signed=True)}}
+
+    moment = _Opt.state[layer.weight]["exp_avg"]
+    moment.codes.random_(0, 255)
+    want = moment.dequantize().clone()
+    step = _Opt.state[layer.weight]["step"]
+    ptrs = []
+    for _ in range(2):
+        with swap.resident(_Opt):
+            inside = _Opt.state[layer.weight]["exp_avg"]
+            assert isinstance(inside, OptimState8bit) and inside.codes.data_ptr() != moment.codes.data_ptr()
+        out = _Opt.state[layer.weight]["exp_avg"]
+        assert isinstance(out, OptimState8bit) and _Opt.state[layer.weight]["step"] is step
+        torch.testing.assert_close(out.dequantize(), want, rtol=0, atol=0)
+        ptrs.append(out.codes.data_ptr())
+    assert ptrs[0] == ptrs[1]
 
 
 def test_grpo_with_a_swapped_reference_and_reward_model_trains_as_without(run, tmp_path):

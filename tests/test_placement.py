@@ -49,14 +49,20 @@ def test_cpu_and_offload_without_gpus(monkeypatch):
         resolve({"ref": "offload"}, exec_device="cuda:0")
 
 
-def test_swap_is_for_frozen_roles_and_runs_on_the_execution_device(monkeypatch):
+def test_swap_is_for_frozen_roles_and_the_critic_and_runs_on_the_execution_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    p = resolve({"actor": None, "ref": "swap", "reward": "SWAP"}, default="cuda:0")
-    assert (p["ref"].kind, p["reward"].kind) == ("swap", "swap")
+    p = resolve({"actor": None, "critic": "swap", "ref": "swap", "reward": "SWAP"}, default="cuda:0")
+    assert (p["critic"].kind, p["ref"].kind, p["reward"].kind) == ("swap", "swap", "swap")
     assert p["ref"].device == torch.device("cuda", 0) and "for its phase (swap)" in p["ref"].describe()
+    assert p["critic"].device == torch.device("cuda", 0)
     assert resolve({"ref": "swap"}, exec_device="cuda:1", default="cuda:0")["ref"].device == torch.device("cuda", 1)
-    with pytest.raises(UsageError, match="--critic_device swap: swap is for frozen roles"):
-        resolve({"critic": "swap"}, default="cuda:0")
+    with pytest.raises(UsageError, match="--actor_device swap: swap is for frozen roles .* and the critic .*the actor "
+                                         "is trained in every phase"):
+        resolve({"actor": "swap"}, default="cuda:0")
+    with pytest.raises(UsageError, match="--critic_device swap: a swapped critic needs one process; with 2 DDP"):
+        resolve({"critic": "swap"}, default="cuda:0", num_processes=2)
+    with pytest.raises(UsageError, match="--critic_device offload: offload is for frozen roles"):
+        resolve({"critic": "offload"}, default="cuda:0")
 
 
 def test_four_gpus_one_process(monkeypatch):

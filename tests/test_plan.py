@@ -74,6 +74,39 @@ def test_ppo_update_phases_hold_one_roles_gradients():
         k: v for k, v in together["phases"].items() if not k.endswith("_update")}
 
 
+def test_a_swapped_critic_leaves_the_other_phases_and_costs_its_copies():
+    """--critic_device swap (W-PPO 1.5b, bf16 weights, 8-bit moments): the critic's weights and moments leave
+    generate, ref, reward and the actor's update; the values phase holds its weights, the critic's update its weights
+    and moments; host memory holds both. Time: its weights over the host link once for the values pass, its weights
+    and moments in and out per critic update (per mini-batch and epoch). Searched for PPO in one process only."""
+    from utils.plan import GPUS, _valid, search_space
+
+    shape = load_shape("qwen2.5-1.5b")
+    flags = ["--reward_model_name_or_path", "x", "--torch_dtype", "bfloat16", "--optim", "adamw_8bit",
+             "--ref_device", "swap", "--reward_device", "swap", "--use_gradient_checkpointing"]
+    placed, swapped = (script_args("ppo", WORKLOAD_PPO + flags + extra) for extra in ([], ["--critic_device", "swap"]))
+    a, b = estimate(shape, placed, "ppo"), estimate(shape, swapped, "ppo")
+    assert shape.tied  # the body is every parameter (the LM head is the embedding), plus a value head
+    weights, moments = (shape.params + shape.hidden) * 2, b["components"]["critic/optimizer"]  # bf16 weights
+    assert b["components"]["critic/weights"] == weights and 2 * weights / 2 < moments < 1.1 * weights  # 8-bit
+    for phase in ("generate", "ref", "reward", "actor_update"):
+        assert a["phases"][phase] - b["phases"][phase] == pytest.approx(weights + moments), phase
+    assert b["phases"]["critic_update"] == pytest.approx(a["phases"]["critic_update"])  # the critic all there
+    # the values pass as the swapped reward model's (no LM head), with the critic's weights in place of its body
+    assert b["phases"]["values"] - b["phases"]["reward"] == pytest.approx(weights - shape.params * 2)
+    assert b["host_bytes"] - a["host_bytes"] == pytest.approx(weights + moments)
+    host = GPUS["h200"]["host"]
+    ta, tb = estimate_time(shape, placed, "ppo"), estimate_time(shape, swapped, "ppo")
+    assert tb["phases"]["values"] - ta["phases"]["values"] == pytest.approx(weights / host)
+    mini = script_args("ppo", WORKLOAD_PPO + flags + ["--critic_device", "swap", "--num_mini_batches", "4"])
+    tm = estimate_time(shape, mini, "ppo")["phases"]["critic_update"] - estimate_time(
+        shape, script_args("ppo", WORKLOAD_PPO + flags + ["--num_mini_batches", "4"]), "ppo")["phases"]["critic_update"]
+    assert tm == pytest.approx(4 * 2 * (weights + moments) / host)
+    assert ("critic_device", [None, "swap"]) in search_space(shape, placed, "ppo", set())
+    assert "critic_device" not in dict(search_space(shape, placed, "ppo", set(), num_processes=2))
+    assert not _valid(apply_flags(swapped, ["--param_offload"]))
+
+
 _RUNS = [("grpo", *row) for row in MEASURED + HELD_OUT] + [("ppo", *row) for row in HELD_OUT_PPO]
 
 

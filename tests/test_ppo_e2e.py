@@ -80,6 +80,29 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
         assert [r[key] for r in rows_stopped] == [r[key] for r in rows_full], key
 
 
+def test_swapped_critic_trains_as_placed_and_resumes_exactly(run, tmp_path):
+    """--critic_device swap (the critic's weights and optimizer state in CPU memory outside its values and update
+    phases; on the CPU the copies are real copies): every metric but timings equal to the placed critic's over 4
+    steps, and a run stopped by SIGTERM after step 2 (its checkpoint taken while the critic is swapped out)
+    resumes to the same numbers."""
+    common = ["--max_steps", "4", "--save_steps", "0", "--debug"]
+    placed = run(common + ["--output_dir", str(tmp_path / "placed")], script="train_ppo.py")
+    assert placed.returncode == 0, placed.stderr[-3000:]
+    full, stopped, stopped_at, resumed_out = sigterm_then_resume(
+        "train_ppo.py", common + ["--critic_device", "swap"], tmp_path)
+    assert 2 <= stopped_at < 4 and f"steps {stopped_at}->4" in resumed_out
+    assert re.search(r"critic\s+cpu memory, on cpu for its phase \(swap\)", resumed_out)
+    rows = {name: metrics_of(path) for name, path in (("placed", tmp_path / "placed"), ("full", full),
+                                                       ("stopped", stopped))}
+    keys = [k for k in rows["placed"][0] if not k.startswith(("time/", "memory/", "throughput/"))]
+    assert "loss/value" in keys and "value/explained_variance" in keys
+    for name in ("full", "stopped"):
+        assert [r["step"] for r in rows[name]] == [1, 2, 3, 4]
+        for key in keys:
+            assert [r[key] for r in rows[name]] == [r[key] for r in rows["placed"]], (name, key)
+    assert_same_weights(tmp_path / "placed" / "final", stopped / "final")
+
+
 def test_placements_and_a_reward_model_with_its_own_tokenizer(run, tmp_path):
     from utils import toy
 

@@ -11,6 +11,8 @@
   (generation, reference) can keep one GPU copy for the phase (`ParamOffload.resident`).
 - Phase swap (--ref_device swap, --reward_device swap): a frozen model's weights live in pinned
   CPU memory and are copied to the GPU whole for its own phase, then dropped (`PhaseSwap`).
+  --critic_device swap does the same for PPO's critic, a trained role: for its update its optimizer
+  state comes along, and weights and state are copied back into their pinned buffers after the step.
 """
 
 import weakref
@@ -260,40 +262,81 @@ def resolve_offload_modules(model, policy: str, strict=True):
 
 
 class PhaseSwap:
-    """--ref_device swap / --reward_device swap: a frozen model's weights and buffers live in CPU
-    memory (pinned when the execution device is a GPU) and are copied to the execution device
-    whole for the model's phase (`resident`), then dropped: one host-to-device copy per phase,
-    and the GPU holds them only during that phase. verl's and OpenRLHF's reference offload work
-    this way; --ref_device offload instead streams each layer in every micro-batch (one layer on
-    the GPU at a time, but the whole model crosses PCIe once per micro-batch)."""
+    """--ref_device swap / --reward_device swap / --critic_device swap: a model's weights and buffers
+    live in CPU memory (pinned when the execution device is a GPU) and are copied to the execution
+    device whole for the model's phases (`resident`): one host-to-device copy per phase, and the GPU
+    holds them only during that phase. verl's and OpenRLHF's reference offload work this way;
+    --ref_device offload instead streams each layer in every micro-batch (one layer on the GPU at a
+    time, but the whole model crosses PCIe once per micro-batch).
+
+    A trained model (PPO's critic) passes its optimizer for its update: the optimizer state comes to
+    the device too, and at the end the weights and the state are copied back into pinned host
+    buffers (the GPU copies are then freed). Between updates every parameter and state tensor is a
+    CPU tensor, so a checkpoint saved then sees the current values. A phase without the optimizer
+    (the critic's values) copies nothing back: it does not change the weights."""
 
     def __init__(self, model, device):
         self.device = device
-        pin = device.type == "cuda"
+        self.pin = device.type == "cuda"
         self.tensors, seen = [], set()
         for module in model.modules():
             for tensor in list(module._parameters.values()) + list(module._buffers.values()):
                 if tensor is None or id(tensor) in seen:  # tied weights: one tensor, moved once
                     continue
                 seen.add(id(tensor))
-                tensor.data = tensor.data.pin_memory() if pin else tensor.data
+                tensor.data = tensor.data.pin_memory() if self.pin else tensor.data
                 self.tensors.append((tensor, tensor.data))  # (the model's tensor, its CPU storage)
+        self._state_buffers = {}  # (id(state dict), key, part) -> the pinned buffer its value returns to
+
+    def _move_state(self, optimizer, to_host):
+        """Every optimizer state tensor of one dimension or more (0-dim step counts stay where they are) to the
+        device, or back into reused host buffers. torchao's quantised states (tensor subclasses) are rebuilt
+        from their moved parts (__tensor_flatten__ / __tensor_unflatten__) rather than changed in place."""
+        def move(value, where):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                return value
+            if not to_host:  # copy=True: a real copy also when the device is the CPU (the CPU tests see a swap)
+                return value.to(self.device, non_blocking=True, copy=True)
+            buffer = self._state_buffers.get(where)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=self.pin)
+                self._state_buffers[where] = buffer
+            return buffer.copy_(value, non_blocking=True)
+
+        for state in getattr(optimizer, "optimizer", optimizer).state.values():  # accelerate wraps optimizers
+            for key, value in list(state.items()):
+                if hasattr(value, "__tensor_flatten__") and value.dim() > 0:
+                    names, context = value.__tensor_flatten__()
+                    parts = {name: move(getattr(value, name), (id(state), key, name)) for name in names}
+                    state[key] = type(value).__tensor_unflatten__(parts, context, value.shape, value.stride())
+                else:
+                    state[key] = move(value, (id(state), key, None))
 
     @contextmanager
-    def resident(self):
+    def resident(self, optimizer=None):
         for tensor, host in self.tensors:
-            tensor.data = host.to(self.device, non_blocking=True)
+            tensor.data = host.to(self.device, non_blocking=True, copy=optimizer is not None)
+        if optimizer is not None:
+            self._move_state(optimizer, to_host=False)
         try:
             yield
         finally:
             for tensor, host in self.tensors:
-                tensor.data = host  # the GPU copy is freed (frozen: nothing to copy back)
+                if optimizer is not None:  # trained: the stepped weights back into their host buffer
+                    host.copy_(tensor.data, non_blocking=True)
+                    tensor.grad = None  # none after a step (set_to_none); only a failed pass leaves some
+                tensor.data = host  # the GPU copy is freed
+            if optimizer is not None:
+                self._move_state(optimizer, to_host=True)
+                if self.pin:
+                    torch.cuda.synchronize(self.device)  # the host buffers are complete before anything reads them
 
 
 @contextmanager
 def resident(model):
-    """For a phase that runs `model`: `ParamOffload.resident` if it has offloaded parameters, its
-    whole weights on the GPU if it is swapped (PhaseSwap), else nothing (also for None)."""
+    """For a phase that runs `model` without training it: `ParamOffload.resident` if it has offloaded
+    parameters, its whole weights on the GPU if it is swapped (PhaseSwap), else nothing (also for
+    None). A swapped critic's update uses its PhaseSwap's `resident(optimizer)` (train_ppo.py)."""
     model = getattr(model, "module", model)
     offload = getattr(model, "lean_rl_param_offload", None) or getattr(model, "lean_rl_swap", None)
     if offload is None:

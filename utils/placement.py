@@ -6,7 +6,8 @@ Each flag takes one of
   offload                       weights in CPU memory, run on --offload_execution_device through
                                 accelerate's cpu_offload: streamed layer by layer (frozen roles only)
   swap                          weights in pinned CPU memory, copied whole to --offload_execution_device
-                                for the role's phase and dropped after (frozen roles only)
+                                for the role's phase and dropped after (frozen roles, and PPO's critic:
+                                its optimizer state too, both copied back after its update; one process)
 and defaults to the process's own device (the one accelerate gives it).
 
 Several processes on one machine: with L processes and G visible GPUs, process r owns GPUs
@@ -119,8 +120,14 @@ def resolve_placements(specs: dict, default_device, offload_execution_device=Non
                                  f"{num_processes} DDP processes; run one process, or split only frozen roles")
             placements[role] = Placement(role, "balanced", torch.device("cuda", gpus[0]), list(gpus))
         elif value in ("offload", "swap"):
-            if role in TRAINED_ROLES:
-                raise UsageError(f"{flag} {value}: {value} is for frozen roles (ref, reward); the {role} is trained")
+            if role == "critic" and value == "swap":  # in its values and update phases only (train_ppo.py)
+                if num_processes > 1:
+                    raise UsageError(f"{flag} swap: a swapped critic needs one process; with {num_processes} DDP "
+                                     "processes the trained roles stay on each process's own device")
+            elif role in TRAINED_ROLES:
+                raise UsageError(f"{flag} {value}: {value} is for frozen roles (ref, reward)"
+                                 + (" and the critic (swap)" if value == "swap" else "") + f"; the {role} is trained"
+                                 + (" in every phase" if role == "actor" else ""))
             placements[role] = Placement(role, value, torch.device("cpu"))  # execution device set below
         else:
             raise UsageError(f"{flag} {value}: expected {_VALID}")

@@ -343,7 +343,11 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
         other[args.critic_device] = other.get(args.critic_device, 0) + sum(
             comp[f"critic/{k}"] for k in ("weights", "gradients", "optimizer")) + comp["update/activations"] \
             + positions * shape.hidden * 4
-    static = sum(comp[f"{r}/weights"] + comp[f"{r}/optimizer"] for r in here) + comp["ref/weights"] \
+    # --critic_device swap: the critic's weights and moments on the GPU in its values and update phases only
+    critic_swapped = algo == "ppo" and getattr(args, "critic_device", None) == "swap"
+    resident_roles = [r for r in here if not (r == "critic" and critic_swapped)]
+    swapped_critic = comp["critic/weights"] + comp["critic/optimizer"] if critic_swapped else 0
+    static = sum(comp[f"{r}/weights"] + comp[f"{r}/optimizer"] for r in resident_roles) + comp["ref/weights"] \
         + comp["reward/weights"]
     # train_ppo.py steps the actor (all its micro-batches), then the critic: one role's gradients at a time
     grads = {r: comp[f"{r}/gradients"] for r in here} if updates_apart else dict.fromkeys(
@@ -364,8 +368,11 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     }
     if reward_state and args.reward_device == "swap":  # the reward model on the GPU for its phase only
         phases["reward"] = static + kept + reward_state + comp["ref/logits"] // 4
+    if critic_swapped:  # its values pass: the weights and a pass without an LM head (as the reward model's)
+        phases["values"] = static + kept + comp["critic/weights"] + comp["ref/logits"] // 4
     if algo == "ppo" and not critic_elsewhere:
-        phases["critic_update"] = static + kept + grads["critic"] + comp["update/activations"] + positions * shape.hidden * 4
+        phases["critic_update"] = static + kept + swapped_critic + grads["critic"] + comp["update/activations"] \
+            + positions * shape.hidden * 4
     peak_allocated = max(phases.values())
     slack = RESERVED_SLACK_EMPTIED if args.empty_cache_between_phases and backend != "hf" else RESERVED_SLACK
     return dict(components=comp, phases=phases, peak_allocated=peak_allocated,
@@ -373,7 +380,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
                 peak_reserved=peak_allocated * (1 + slack),
                 host_bytes=offloaded * (train_bytes * 2 + _optimizer_bytes_per_param(args.optim, train_bytes))
                 + (shape.params * 2 if args.ref_device in ("offload", "swap") else 0)
-                + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0)
+                + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0) + swapped_critic
                 + in_place_backup_bytes(shape, args),
                 tokens_per_micro_batch=tokens, rows=rows)
 
@@ -632,9 +639,16 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             reward += n_mb * body / (host * OFFLOAD_STREAM) + body / (host * OFFLOAD_SETUP)
     phases["reward"] = reward
     epochs = args.num_iterations if algo == "grpo" else args.ppo_epochs
+    critic_swap_bytes = 0
     if algo == "ppo":
         phases["values"] = forward(shape.linear_params, bits if lora else None, with_adapters=lora)
         phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+        if getattr(args, "critic_device", None) == "swap":  # its weights in for values; weights and moments in and
+            # out for each update (once per mini-batch and epoch), all at the host link's rate (assumed both ways)
+            memory = estimate(shape, args, algo, num_processes)["components"]
+            phases["values"] += memory["critic/weights"] / host
+            critic_swap_bytes = 2 * (memory["critic/weights"] + memory["critic/optimizer"])
+            unmeasured.append("--critic_device swap's copies (the host link's rate assumed both ways)")
     elif args.num_iterations > 1:
         phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
     elif getattr(args, "top_entropy_quantile", 1.0) < 1:  # the same no-grad pass, run for the tokens' entropy
@@ -644,7 +658,8 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
                           "add their generate and reward time each)")
     phases["actor_update"] = epochs * update(matmul_params, bits if lora else None, True)
     if algo == "ppo":
-        phases["critic_update"] = epochs * update(shape.linear_params, bits if lora else None, False)
+        phases["critic_update"] = epochs * (update(shape.linear_params, bits if lora else None, False)
+                                            + args.num_mini_batches * critic_swap_bytes / host)
     return dict(phases=phases, step=sum(phases.values()), unmeasured=unmeasured, backend=backend)
 
 
@@ -661,6 +676,8 @@ LEVERS = [
      lambda a: a.ref_device is None and not a.use_lora),
     (["--ref_device", "offload"], "the reference in CPU memory, streamed layer by layer (slow)",
      lambda a: a.ref_device in (None, "swap") and not a.use_lora),
+    (["--critic_device", "swap"], "the critic and its optimizer state in CPU memory, on the GPU for its values "
+     "and update phases only", lambda a: getattr(a, "critic_device", "none") is None),
     (["--prefill_chunk_size", str(PREFILL_CHUNK)],
      f"the prompts prefilled {PREFILL_CHUNK} positions at a time (smaller prefill activations)",
      lambda a: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
@@ -717,6 +734,9 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
         axis("ref_device", [args.ref_device, "swap", "offload"])
     if args.reward_model_name_or_path and args.reward_device in (None, "cuda", "cuda:0"):
         axis("reward_device", [args.reward_device, "swap"])
+    if algo == "ppo" and num_processes == 1 and engine == "single" and args.critic_device in (None, "cuda", "cuda:0") \
+            and not (args.use_lora and (args.load_in_4bit or args.load_in_8bit)):
+        axis("critic_device", [args.critic_device, "swap"])
     if engine in ("zero3", "fsdp2"):
         axis("generation_backend", ["hf"])
     else:  # static is left out: its speed on a GPU is not measured (hf's is, where weights move)
@@ -742,6 +762,8 @@ def _valid(a):
     if a.generation_backend in CAPTURED_BACKENDS and a.param_offload and not a.generation_copy:
         return False
     if a.generation_copy_dtype != "bfloat16" and not a.generation_copy:
+        return False
+    if getattr(a, "critic_device", None) == "swap" and a.param_offload:
         return False
     if a.generation_copy_in_place and (not a.generation_copy or a.generation_copy_dtype != "bfloat16"
                                        or a.param_offload):

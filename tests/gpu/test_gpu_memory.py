@@ -3,6 +3,7 @@ parameter offload with pinned memory, the chunked LM head in bf16, the bitsandby
 optimizers, QLoRA. Each prints the peak memory it saves. Run on the device machine:
     python -m pytest -q -s tests/gpu/test_gpu_memory.py
 """
+import contextlib
 import copy
 
 import pytest
@@ -207,6 +208,51 @@ def test_phase_swap_on_gpu_holds_the_weights_for_the_phase_only():
             assert inside >= weights * 0.99 and after < 2**20, (inside, after, weights)
         print(f"\n{kind}: {inside / GIB:.3f} GiB on the GPU in the phase ({weights / GIB:.3f} GiB of weights), "
               f"{after / 2**20:.1f} MiB after; {len(plan)} micro-batches in {timings[kind]:.3f} s")
+
+
+def test_critic_swap_on_gpu_steps_as_placed_and_holds_nothing_between_its_phases():
+    """--critic_device swap: bf16 weights stepped by torchao's 8-bit AdamW (quantised moments, a tensor
+    subclass) inside `resident(optimizer)`, three steps: the same weights as the model kept on the GPU (same
+    seeds for the stochastic rounding); between phases no byte of it on the GPU, every parameter and moment
+    part in pinned CPU memory; inside, the weights and moments once. Prints the copy time per update."""
+    import time
+
+    from utils.optim import build_optimizer, state_tensors
+    from utils.placement import Placement, place_model
+
+    model = _llama(layers=4).to(torch.bfloat16)
+    ids, mask, C = _batch(model.config.vocab_size, B=4, T=256, C=128)
+    placed = copy.deepcopy(model)
+    swapped = place_model(copy.deepcopy(model).cpu(), Placement("critic", "swap", torch.device("cuda", 0)))
+    del model
+    swap = swapped.lean_rl_swap
+    opts = [build_optimizer(m, 1e-4, 0.0, "adamw_8bit") for m in (placed, swapped)]
+    weights = sum(t.numel() * t.element_size() for t in list(placed.parameters()) + list(placed.buffers()))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for step in range(3):
+        for m, opt, ctx in ((placed, opts[0], None), (swapped, opts[1], swap)):
+            torch.manual_seed(step)
+            start = time.perf_counter()
+            with ctx.resident(opt) if ctx else contextlib.nullcontext():
+                inside = torch.cuda.memory_allocated() - base
+                (m(input_ids=ids, attention_mask=mask).logits.float() ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if ctx:
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        moments = sum(t.numel() * t.element_size() for t in state_tensors(opts[1]) if t.dim() > 0)
+        assert torch.cuda.memory_allocated() - base < 2**20  # the swapped model left nothing behind
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in swapped.parameters())
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in state_tensors(opts[1]) if t.dim() > 0)
+        if step:  # moments exist from the first step on
+            assert inside >= 0.99 * (weights + moments), (inside, weights, moments)
+    for (name, a), b in zip(placed.named_parameters(), swapped.parameters()):
+        torch.testing.assert_close(b.cuda(), a, msg=name)
+    print(f"\ncritic swap: {weights / GIB:.3f} GiB weights + {moments / GIB:.3f} GiB 8-bit moments; an update "
+          f"with its copies in and out {times[-1]:.3f} s (placed: the same without them)")
 
 
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
