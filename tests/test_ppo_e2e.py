@@ -137,6 +137,7 @@ def test_stop_token_ends_completions(run, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--stop_token", "ab"], "--stop_token 'ab' is 2 tokens for this tokenizer; it must be exactly one"),
     (["--num_mini_batches", "3"], "--num_mini_batches 3 does not divide the 256 completions"),
+    (["--critic_device", "swap", "--param_offload"], "--critic_device swap with --param_offload: a swapped critic"),
     (["--per_device_train_batch_size", "48"], "--per_device_train_batch_size 48 does not divide the 64 completions"),
     (["--actor_device", "offload"], "--actor_device offload: offload is for frozen roles"),
     (["--critic_device", "cuda:7"], "--critic_device cuda:7:"),
