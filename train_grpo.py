@@ -299,7 +299,7 @@ def main(argv=None):
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 compile_repeated_blocks, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
                                 lora_kwargs, quantization_of, resolve_mixed_precision, check_model_paths)
-    from utils.offload import ParamOffload, enable_activation_offload, resident
+    from utils.offload import OptimizerSwap, ParamOffload, enable_activation_offload, resident
     from utils.ops import batched_completion_logprobs, completion_logprobs, pad_cat, plan_micro_batches
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
     from utils.placement import (Placement, devices_used, place_model, placement_table, prepare_trained,
@@ -423,6 +423,8 @@ def main(argv=None):
                                data_position={"seed": args.seed, "prompts_per_step": args.prompts_per_step,
                                               "dataset_rows": len(dataset)})
     start_step = state.get("step", 0)
+    optimizer_state = OptimizerSwap(optimizer, enabled=args.optimizer_offload)  # on the GPU for each step only
+    optimizer_state.to_host()  # a resumed state was loaded onto the parameters' devices
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
     guard.in_a_row = state["skipped_in_a_row"]
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args),
@@ -641,8 +643,9 @@ def main(argv=None):
                 step_loss, step_sums, step_max = shrink.retry(accumulate, "actor_update", optimizers=[optimizer])
                 sums += step_sums
                 largest_diff = torch.maximum(largest_diff, step_max)
-                grad_norm, finite = clip_and_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                                                  step_loss)
+                with optimizer_state.resident():  # --optimizer_offload: the moments in for the step, then out
+                    grad_norm, finite = clip_and_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
+                                                      step_loss)
                 guard.record(finite, step)
                 grad_norms.append(grad_norm)
                 losses.append(step_loss)

@@ -58,7 +58,7 @@ from utils.args import SharedArgs, apply_presets, check_shared_args, divisors
 class Args(SharedArgs):  # the shared flags (model, placement, data, rewards, ...) are in utils/args.py
     # --- critic
     critic_model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Critic: a reward-model or causal-LM checkpoint (a scalar value head is added); default: the actor's weights."})
-    critic_device: Optional[str] = field(default=None, metadata={"help": "Critic placement: cpu, cuda:N, balanced or swap (pinned CPU memory, copied to --offload_execution_device for the values phase and for each critic update with its optimizer state, both copied back after the step; one process); default: the process's device."})
+    critic_device: Optional[str] = field(default=None, metadata={"help": "Critic placement: cpu, cuda:N, balanced or swap (pinned CPU memory, copied to --offload_execution_device for the values phase and for each critic update, the weights copied back after it, its optimizer state on the GPU for the step only; one process); default: the process's device."})
     critic_learning_rate: Optional[float] = field(default=None, metadata={"help": "Critic peak learning rate; default: --learning_rate."})
     # --- PPO
     prompts_per_step: int = field(default=64, metadata={"help": "Prompts per step (rollout batch) over all processes, one completion each."})
@@ -285,7 +285,7 @@ def main(argv=None):
                                 check_same_vocabulary, compile_repeated_blocks, eos_token_ids, frozen_dtype,
                                 load_causal_lm, load_tokenizer, load_value_model, lora_kwargs, quantization_of,
                                 resolve_mixed_precision, check_model_paths)
-    from utils.offload import ParamOffload, enable_activation_offload, resident
+    from utils.offload import OptimizerSwap, ParamOffload, enable_activation_offload, resident
     from utils.ops import (batched_completion_logprobs, completion_logprobs, completion_values, masked_sum,
                            masked_whiten, plan_micro_batches)
     from utils.optim import NonFiniteGuard, build_optimizer, build_scheduler, clip_and_step
@@ -426,6 +426,11 @@ def main(argv=None):
                                data_position={"seed": args.seed, "prompts_per_step": args.prompts_per_step,
                                               "dataset_rows": len(dataset)})
     start_step, kl_coef = state.get("step", 0), state.get("kl_coef", args.kl_coef)
+    # --optimizer_offload (and a swapped critic's): the moments on the GPU for each optimizer step only
+    actor_state = OptimizerSwap(actor_optimizer, enabled=args.optimizer_offload)
+    critic_state = OptimizerSwap(critic_optimizer, enabled=args.optimizer_offload or critic_swap is not None)
+    actor_state.to_host()  # a resumed state was loaded onto the parameters' devices
+    critic_state.to_host()
     guard = NonFiniteGuard(args.max_skipped_steps, total=state.get("total_skipped", 0))
     guard.in_a_row = state["skipped_in_a_row"]
     logger = MetricsLogger(accelerator, args.output_dir, args.report_to, args.run_name, dataclasses.asdict(args),
@@ -608,15 +613,17 @@ def main(argv=None):
                 # out of memory: that role's gradients zeroed, micro-batches halved, its pass redone (exact)
                 with timer.phase("actor_update"):
                     actor_loss_sum, actor_sums = shrink.retry(actor_pass, "actor update", optimizers=[actor_optimizer])
-                    actor_norm, actor_ok = clip_and_step(accelerator, actor, actor_optimizer, actor_scheduler,
-                                                         args.max_grad_norm, actor_loss_sum)
-                # --critic_device swap: the critic's weights and optimizer state on the GPU for this update only
-                critic_resident = critic_swap.resident(critic_optimizer) if critic_swap else nullcontext()
+                    with actor_state.resident():
+                        actor_norm, actor_ok = clip_and_step(accelerator, actor, actor_optimizer, actor_scheduler,
+                                                             args.max_grad_norm, actor_loss_sum)
+                # --critic_device swap: the critic's weights on the GPU for this update only (its moments for the step)
+                critic_resident = critic_swap.resident(write_back=True) if critic_swap else nullcontext()
                 with timer.phase("critic_update"), critic_resident:
                     critic_loss_sum, critic_sums = shrink.retry(critic_pass, "critic update",
                                                                 optimizers=[critic_optimizer])
-                    critic_norm, critic_ok = clip_and_step(accelerator, critic, critic_optimizer, critic_scheduler,
-                                                           args.max_grad_norm, critic_loss_sum)
+                    with critic_state.resident():
+                        critic_norm, critic_ok = clip_and_step(accelerator, critic, critic_optimizer,
+                                                               critic_scheduler, args.max_grad_norm, critic_loss_sum)
                 sums += torch.cat([actor_sums, critic_sums])
                 guard.record(actor_ok and critic_ok, step, "actor/critic update")
                 norms.append(torch.stack([actor_norm.to(home), critic_norm.to(home)]))  # the critic may be elsewhere

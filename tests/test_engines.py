@@ -167,6 +167,7 @@ def test_zero3_generation_runs_without_deepspeed_hooks(tmp_path):
 
 @pytest.mark.parametrize("flags, engine, message", [
     (["--param_offload"], "zero3", "--param_offload under zero3"),
+    (["--optimizer_offload"], "zero2", "--optimizer_offload under zero2"),
     (["--use_lora", "--load_in_4bit"], "zero2", "--load_in_4bit under zero2"),
     (["--use_lora"], "fsdp2", "--use_lora under fsdp2"),
     (["--optim", "adamw_8bit"], "zero2", "--optim adamw_8bit under zero2"),

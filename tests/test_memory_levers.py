@@ -426,10 +426,12 @@ def test_phase_swap_moves_the_whole_model_for_its_phase_only():
 
 
 def test_phase_swap_of_a_trained_model_steps_as_placed_and_keeps_its_state_in_host_buffers():
-    """--critic_device swap: three AdamW steps, each inside `resident(optimizer)`, leave the same weights and
-    moments as three steps of the same model never swapped (the CPU copy is a real copy, so a lost write-back
-    would show); between phases every parameter and every moment is a CPU tensor in a buffer kept from one
-    phase to the next, the 0-dim step counts where the optimizer made them."""
+    """--critic_device swap: three AdamW steps, each inside the model's `resident(write_back=True)` and, around the
+    step, its OptimizerSwap's `resident()`, leave the same weights and moments as three steps of the same model
+    never swapped (the CPU copies are real copies, so a lost write-back would show); between steps every parameter
+    and every moment is a CPU tensor in a buffer kept from one step to the next, the 0-dim step counts where the
+    optimizer made them; during the forward and backward the moments are not on the device."""
+    from utils.offload import OptimizerSwap
     from utils.optim import state_tensors
     from utils.placement import Placement, place_model
 
@@ -439,44 +441,48 @@ def test_phase_swap_of_a_trained_model_steps_as_placed_and_keeps_its_state_in_ho
                                                                                       torch.device("cpu")))
     swap = swapped.lean_rl_swap
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (placed, swapped)]
+    moments_swap = OptimizerSwap(opts[1])
     addresses = []
     for _ in range(3):
-        for m, opt, ctx in ((placed, opts[0], None), (swapped, opts[1], swap)):
-            with ctx.resident(opts[1]) if ctx else contextlib.nullcontext():
+        for m, opt, swapping in ((placed, opts[0], False), (swapped, opts[1], True)):
+            with swap.resident(write_back=True) if swapping else contextlib.nullcontext():
                 (m(input_ids=ids, attention_mask=mask).logits.float() ** 2).mean().backward()
-                opt.step()
+                if swapping:  # the moments are in their host buffers while the gradients are computed
+                    assert [t.data_ptr() for t in state_tensors(opt) if t.dim() > 0] == (addresses or [[]])[-1]
+                with moments_swap.resident() if swapping else contextlib.nullcontext():
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
         moments = [t for t in state_tensors(opts[1]) if t.dim() > 0]
         assert moments and all(t.device.type == "cpu" for t in moments)
         addresses.append([t.data_ptr() for t in moments])
         assert all(p.grad is None for p in swapped.parameters())
-    assert addresses[0] == addresses[1] == addresses[2]  # the host buffers are reused, not allocated per phase
+    assert addresses[0] == addresses[1] == addresses[2]  # the host buffers are reused, not allocated per step
     for (name, a), b in zip(placed.named_parameters(), swapped.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     for a, b in zip(state_tensors(opts[0]), state_tensors(opts[1])):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def test_phase_swap_moves_torchaos_quantised_moments_by_their_parts():
+def test_optimizer_swap_moves_torchaos_quantised_moments_by_their_parts():
     """torchao's 8-bit moments (a tensor subclass): moved by their codes, scales and map, rebuilt as the same
-    class, equal after a round trip, and back in the same host buffers the next time."""
+    class, equal after a round trip, and back in the same host buffers the next time; the step count stays put."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    from utils.offload import PhaseSwap
+    from utils.offload import OptimizerSwap
 
     layer = torch.nn.Linear(64, 64, bias=False)
-    swap = PhaseSwap(layer, torch.device("cpu"))
 
-    class _Opt:  # what PhaseSwap reads of an optimizer: its state
+    class _Opt:  # what OptimizerSwap reads of an optimizer: its state
         state = {layer.weight: {"step": torch.tensor(3.0), "exp_avg": OptimState8bit.zeros((64, 64), signed=True)}}
 
+    swap = OptimizerSwap(_Opt)
     moment = _Opt.state[layer.weight]["exp_avg"]
     moment.codes.random_(0, 255)
     want = moment.dequantize().clone()
     step = _Opt.state[layer.weight]["step"]
     ptrs = []
     for _ in range(2):
-        with swap.resident(_Opt):
+        with swap.resident():
             inside = _Opt.state[layer.weight]["exp_avg"]
             assert isinstance(inside, OptimState8bit) and inside.codes.data_ptr() != moment.codes.data_ptr()
         out = _Opt.state[layer.weight]["exp_avg"]
@@ -484,6 +490,22 @@ def test_phase_swap_moves_torchaos_quantised_moments_by_their_parts():
         torch.testing.assert_close(out.dequantize(), want, rtol=0, atol=0)
         ptrs.append(out.codes.data_ptr())
     assert ptrs[0] == ptrs[1]
+    disabled = OptimizerSwap(_Opt, enabled=False)
+    with disabled.resident():
+        assert _Opt.state[layer.weight]["exp_avg"] is out  # a no-op
+
+
+def test_grpo_with_optimizer_offload_trains_as_without(run, tmp_path):
+    """--optimizer_offload: the moments in host buffers outside each optimizer step; every metric but timings
+    equal to a run without it over 3 steps (on the CPU the copies are real copies)."""
+    rows = {}
+    for name, extra in (("placed", []), ("offload", ["--optimizer_offload"])):
+        result = run(["--max_steps", "3", "--save_strategy", "no", "--output_dir", str(tmp_path / name)] + extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name] = metrics_of(tmp_path / name)
+    keys = [k for k in rows["placed"][0] if not k.startswith(("time/", "memory/", "throughput/"))]
+    for a, b in zip(rows["placed"], rows["offload"]):
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}
 
 
 def test_grpo_with_a_swapped_reference_and_reward_model_trains_as_without(run, tmp_path):
@@ -512,14 +534,15 @@ def test_grpo_with_a_swapped_reference_and_reward_model_trains_as_without(run, t
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_levers_under_two_ddp_processes(tmp_path, script):
     """Checkpointing with activation offload (a reentrant-style backward inside DDP), token-budget
-    micro-batches (the processes agree on a count), chunked head with an entropy bonus: two gloo
-    processes end with identical weights (the script checks and fails otherwise)."""
+    micro-batches (the processes agree on a count), chunked head with an entropy bonus, the optimizer
+    state offloaded between steps: two gloo processes end with identical weights (the script checks and
+    fails otherwise)."""
     from helpers import launch_two_cpu_processes
 
     result = launch_two_cpu_processes(script, [
         "--max_steps", "2", "--output_dir", str(tmp_path), "--save_strategy", "no", "--use_gradient_checkpointing",
         "--activation_offload", "--use_dynamic_bsz", "--max_token_len_per_gpu", "100", "--logprob_chunk_size", "7",
-        "--entropy_coef", "0.01"])
+        "--entropy_coef", "0.01", "--optimizer_offload"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "num_processes=2" in result.stdout
     # the two ranks' prints may share a line (concurrent writes): find them anywhere

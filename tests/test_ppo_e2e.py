@@ -80,16 +80,16 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
         assert [r[key] for r in rows_stopped] == [r[key] for r in rows_full], key
 
 
-def test_swapped_critic_trains_as_placed_and_resumes_exactly(run, tmp_path):
-    """--critic_device swap (the critic's weights and optimizer state in CPU memory outside its values and update
-    phases; on the CPU the copies are real copies): every metric but timings equal to the placed critic's over 4
-    steps, and a run stopped by SIGTERM after step 2 (its checkpoint taken while the critic is swapped out)
-    resumes to the same numbers."""
+def test_swapped_critic_and_offloaded_moments_train_as_placed_and_resume_exactly(run, tmp_path):
+    """--critic_device swap (the critic's weights in CPU memory outside its values and update phases) with
+    --optimizer_offload (both roles' moments in CPU memory outside their steps; on the CPU the copies are real
+    copies): every metric but timings equal to the placed run's over 4 steps, and a run stopped by SIGTERM after
+    step 2 (its checkpoint taken while both are out) resumes to the same numbers."""
     common = ["--max_steps", "4", "--save_steps", "0", "--debug"]
     placed = run(common + ["--output_dir", str(tmp_path / "placed")], script="train_ppo.py")
     assert placed.returncode == 0, placed.stderr[-3000:]
     full, stopped, stopped_at, resumed_out = sigterm_then_resume(
-        "train_ppo.py", common + ["--critic_device", "swap"], tmp_path)
+        "train_ppo.py", common + ["--critic_device", "swap", "--optimizer_offload"], tmp_path)
     assert 2 <= stopped_at < 4 and f"steps {stopped_at}->4" in resumed_out
     assert re.search(r"critic\s+cpu memory, on cpu for its phase \(swap\)", resumed_out)
     rows = {name: metrics_of(path) for name, path in (("placed", tmp_path / "placed"), ("full", full),
@@ -138,6 +138,7 @@ def test_stop_token_ends_completions(run, tmp_path):
     (["--stop_token", "ab"], "--stop_token 'ab' is 2 tokens for this tokenizer; it must be exactly one"),
     (["--num_mini_batches", "3"], "--num_mini_batches 3 does not divide the 256 completions"),
     (["--critic_device", "swap", "--param_offload"], "--critic_device swap with --param_offload: a swapped critic"),
+    (["--optimizer_offload", "--optim", "paged_adamw_8bit"], "--optimizer_offload with --optim paged_adamw_8bit"),
     (["--per_device_train_batch_size", "48"], "--per_device_train_batch_size 48 does not divide the 64 completions"),
     (["--actor_device", "offload"], "--actor_device offload: offload is for frozen roles"),
     (["--critic_device", "cuda:7"], "--critic_device cuda:7:"),

@@ -36,6 +36,7 @@ class SharedArgs:
     ref_offload: bool = field(default=False, metadata={"help": "Shorthand for --ref_device offload: the reference's weights in CPU memory, streamed to the GPU layer by layer in every micro-batch (slow at real sizes: a 1.5b reference pass took 12.2 s instead of 0.62 on an H200)."})
     reward_offload: bool = field(default=False, metadata={"help": "Shorthand for --reward_device offload."})
     param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use; one process only. Same math."})
+    optimizer_offload: bool = field(default=False, metadata={"help": "Keep the optimizer state (moments, quantisation scales) of the trained roles in pinned CPU memory, copied to the GPU for each optimizer step and back after it (verl's optimizer_offload): generation, the no-grad passes and the forward/backward run without it, for two copies of the state over the host link per step. Not under DeepSpeed/FSDP (they offload through their own configs) or with paged_adamw_8bit. Same math."})
     offload_policy: str = field(default="embedding,lm_head", metadata={"help": "Comma list for --param_offload: embedding (input embeddings), lm_head (output embeddings), or names of Linear/Embedding modules."})
     generation_slice_size: Optional[int] = field(default=None, metadata={"help": "Decode this many rollouts (completions) at a time (smaller KV cache), in slices of similar prompt length without their shared left padding; default: all of the step's at once. Not TRL's --generation_batch_size (completions generated per round)."})
     prefill_chunk_size: Optional[int] = field(default=None, metadata={"help": "Prefill the rollouts' prompts this many positions at a time into the KV cache: the prefill's activations (its MLP holds three [rows x positions, intermediate] tensors at once: 1.7 GiB at 7b for 64 rows of 256 prompt tokens) shrink by the number of chunks, for one more forward per chunk; default: the whole prompt in one forward. Same tokens and logprobs up to float rounding (every backend; hf through generate's own prefill_chunk_size)."})
@@ -228,6 +229,9 @@ def check_memory_args(args, num_processes=1):
     if args.auto_reduce_micro_batch and num_processes > 1:
         raise UsageError(f"--auto_reduce_micro_batch needs one process: with {num_processes}, an out-of-memory error "
                          "on one rank would leave the others waiting in a collective")
+    if args.optimizer_offload and args.optim == "paged_adamw_8bit":
+        raise UsageError("--optimizer_offload with --optim paged_adamw_8bit: bitsandbytes pages that state to the CPU "
+                         "itself; use one of them")
     if args.param_offload and num_processes > 1:
         raise UsageError(f"--param_offload keeps trained weights on the CPU, which DDP cannot wrap; it needs one process "
                          f"(got {num_processes})")

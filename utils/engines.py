@@ -36,6 +36,9 @@ def check_engine_args(args, engine, trained_roles=("actor",)):
                          "accelerate_configs/fsdp2.yaml)")
     sharded = engine in ("zero3", "fsdp2")
     where = f"under {engine} (accelerate config)"
+    if getattr(args, "optimizer_offload", False):
+        raise UsageError(f"--optimizer_offload {where}: the engine holds the optimizer state; for it in CPU memory use "
+                         "accelerate_configs/deepspeed_zero3_offload.yaml")
     if args.param_offload:
         raise UsageError(f"--param_offload {where}: the engine places the weights; for weights in CPU memory use "
                          "accelerate_configs/deepspeed_zero3_offload.yaml")

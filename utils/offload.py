@@ -11,8 +11,10 @@
   (generation, reference) can keep one GPU copy for the phase (`ParamOffload.resident`).
 - Phase swap (--ref_device swap, --reward_device swap): a frozen model's weights live in pinned
   CPU memory and are copied to the GPU whole for its own phase, then dropped (`PhaseSwap`).
-  --critic_device swap does the same for PPO's critic, a trained role: for its update its optimizer
-  state comes along, and weights and state are copied back into their pinned buffers after the step.
+  --critic_device swap does the same for PPO's critic, a trained role: after its update the weights
+  are copied back into their pinned buffers.
+- Optimizer offload (--optimizer_offload; the swapped critic's optimizer too): the optimizer state in
+  host memory, on the parameters' devices for each optimizer step only (`OptimizerSwap`).
 """
 
 import weakref
@@ -269,11 +271,11 @@ class PhaseSwap:
     --ref_device offload instead streams each layer in every micro-batch (one layer on the GPU at a
     time, but the whole model crosses PCIe once per micro-batch).
 
-    A trained model (PPO's critic) passes its optimizer for its update: the optimizer state comes to
-    the device too, and at the end the weights and the state are copied back into pinned host
-    buffers (the GPU copies are then freed). Between updates every parameter and state tensor is a
-    CPU tensor, so a checkpoint saved then sees the current values. A phase without the optimizer
-    (the critic's values) copies nothing back: it does not change the weights."""
+    A trained model (PPO's critic) is made resident with write_back=True for its update: at the end
+    the stepped weights are copied back into their pinned host buffers (the GPU copies are then
+    freed); its optimizer state is an OptimizerSwap's, on the GPU for the step only. Between updates
+    every parameter is a CPU tensor, so a checkpoint saved then sees the current values. The values
+    pass (write_back=False) copies nothing back: it does not change the weights."""
 
     def __init__(self, model, device):
         self.device = device
@@ -286,57 +288,87 @@ class PhaseSwap:
                 seen.add(id(tensor))
                 tensor.data = tensor.data.pin_memory() if self.pin else tensor.data
                 self.tensors.append((tensor, tensor.data))  # (the model's tensor, its CPU storage)
-        self._state_buffers = {}  # (id(state dict), key, part) -> the pinned buffer its value returns to
-
-    def _move_state(self, optimizer, to_host):
-        """Every optimizer state tensor of one dimension or more (0-dim step counts stay where they are) to the
-        device, or back into reused host buffers. torchao's quantised states (tensor subclasses) are rebuilt
-        from their moved parts (__tensor_flatten__ / __tensor_unflatten__) rather than changed in place."""
-        def move(value, where):
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                return value
-            if not to_host:  # copy=True: a real copy also when the device is the CPU (the CPU tests see a swap)
-                return value.to(self.device, non_blocking=True, copy=True)
-            buffer = self._state_buffers.get(where)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=self.pin)
-                self._state_buffers[where] = buffer
-            return buffer.copy_(value, non_blocking=True)
-
-        for state in getattr(optimizer, "optimizer", optimizer).state.values():  # accelerate wraps optimizers
-            for key, value in list(state.items()):
-                if hasattr(value, "__tensor_flatten__") and value.dim() > 0:
-                    names, context = value.__tensor_flatten__()
-                    parts = {name: move(getattr(value, name), (id(state), key, name)) for name in names}
-                    state[key] = type(value).__tensor_unflatten__(parts, context, value.shape, value.stride())
-                else:
-                    state[key] = move(value, (id(state), key, None))
 
     @contextmanager
-    def resident(self, optimizer=None):
-        for tensor, host in self.tensors:
-            tensor.data = host.to(self.device, non_blocking=True, copy=optimizer is not None)
-        if optimizer is not None:
-            self._move_state(optimizer, to_host=False)
+    def resident(self, write_back=False):
+        for tensor, host in self.tensors:  # write_back: a real copy also on a CPU (the CPU tests see a swap)
+            tensor.data = host.to(self.device, non_blocking=True, copy=write_back)
         try:
             yield
         finally:
             for tensor, host in self.tensors:
-                if optimizer is not None:  # trained: the stepped weights back into their host buffer
+                if write_back:  # trained: the stepped weights back into their host buffer
                     host.copy_(tensor.data, non_blocking=True)
                     tensor.grad = None  # none after a step (set_to_none); only a failed pass leaves some
                 tensor.data = host  # the GPU copy is freed
-            if optimizer is not None:
-                self._move_state(optimizer, to_host=True)
-                if self.pin:
-                    torch.cuda.synchronize(self.device)  # the host buffers are complete before anything reads them
+            if write_back and self.pin:
+                torch.cuda.synchronize(self.device)  # the host buffers are complete before anything reads them
+
+
+class OptimizerSwap:
+    """--optimizer_offload (and a --critic_device swap critic's optimizer): the optimizer's state tensors
+    (moments, quantisation scales) live in host buffers, pinned for a GPU parameter, and come to their
+    parameter's device for the optimizer step only (`resident`), then are copied back into the same
+    buffers: the forward and backward passes, generation and the other roles' phases run without them,
+    for two copies of the state over the host link per step (verl's optimizer_offload does this around
+    each update). 0-dim step counts stay where the optimizer made them. torchao's quantised states
+    (tensor subclasses) are moved by their parts (__tensor_flatten__ / __tensor_unflatten__) and rebuilt.
+    Between steps every moment is a CPU tensor, so a checkpoint sees the current values; `to_host` after a
+    resume puts the loaded state (on the parameters' devices) back in host memory. enabled=False: a no-op."""
+
+    def __init__(self, optimizer, enabled=True):
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps optimizers
+        self.enabled = enabled
+        self._buffers = {}  # (id(state dict), key, part) -> the host buffer its value returns to
+
+    def _move(self, to_host):
+        def move(value, device, where):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                return value
+            if not to_host:  # copy=True: a real copy also on a CPU
+                return value.to(device, non_blocking=True, copy=True)
+            buffer = self._buffers.get(where)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=device.type == "cuda")
+                self._buffers[where] = buffer
+            return buffer.copy_(value, non_blocking=True)
+
+        devices = set()
+        for param, state in self.optimizer.state.items():
+            devices.add(param.device)
+            for key, value in list(state.items()):
+                if hasattr(value, "__tensor_flatten__") and value.dim() > 0:
+                    names, context = value.__tensor_flatten__()
+                    parts = {name: move(getattr(value, name), param.device, (id(state), key, name)) for name in names}
+                    state[key] = type(value).__tensor_unflatten__(parts, context, value.shape, value.stride())
+                else:
+                    state[key] = move(value, param.device, (id(state), key, None))
+        if to_host:
+            for device in devices:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the host buffers are complete before anything reads them
+
+    def to_host(self):
+        if self.enabled:
+            self._move(to_host=True)
+
+    @contextmanager
+    def resident(self):
+        if not self.enabled:
+            yield
+            return
+        self._move(to_host=False)
+        try:
+            yield
+        finally:
+            self._move(to_host=True)
 
 
 @contextmanager
 def resident(model):
     """For a phase that runs `model` without training it: `ParamOffload.resident` if it has offloaded
     parameters, its whole weights on the GPU if it is swapped (PhaseSwap), else nothing (also for
-    None). A swapped critic's update uses its PhaseSwap's `resident(optimizer)` (train_ppo.py)."""
+    None). A swapped critic's update uses its PhaseSwap's `resident(write_back=True)` (train_ppo.py)."""
     model = getattr(model, "module", model)
     offload = getattr(model, "lean_rl_param_offload", None) or getattr(model, "lean_rl_swap", None)
     if offload is None:

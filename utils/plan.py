@@ -221,11 +221,14 @@ def _other_gpu(device) -> bool:
     return bool(device) and device.startswith("cuda:") and device != "cuda:0"
 
 
-def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True, updates_apart=True) -> dict:
+def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True, updates_apart=True,
+             swapped_moments_for_step=True) -> dict:
     """Bytes per component and per phase for one process. `args`: the script's Args (flags). copy_shares=False:
     a generation copy that holds its own copy of every tensor (as before 2026-12-02; the runs measured then).
     updates_apart=False: PPO's actor and critic passes interleaved per micro-batch, both roles' gradients alive
     in both update phases (train_ppo.py before 2026-12-03 9d89c71; the PPO runs measured then).
+    swapped_moments_for_step=False: a --critic_device swap critic's moments on the GPU for its whole update phase
+    (before --optimizer_offload's OptimizerSwap took them, 2026-12-03; the three swap runs measured then).
     Roles placed on another GPU (`--ref_device cuda:1`, `--critic_device cuda:1`) are left out of the
     phases (the first GPU's) and counted in `other_gpus`: {device: estimated peak reserved bytes}."""
     P, C = args.max_prompt_length, args.max_completion_length
@@ -343,12 +346,17 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
         other[args.critic_device] = other.get(args.critic_device, 0) + sum(
             comp[f"critic/{k}"] for k in ("weights", "gradients", "optimizer")) + comp["update/activations"] \
             + positions * shape.hidden * 4
-    # --critic_device swap: the critic's weights and moments on the GPU in its values and update phases only
+    # --critic_device swap: the critic's weights on the GPU in its values and update phases only, its moments for
+    # its optimizer step only; --optimizer_offload: every trained role's moments for its step only
     critic_swapped = algo == "ppo" and getattr(args, "critic_device", None) == "swap"
     resident_roles = [r for r in here if not (r == "critic" and critic_swapped)]
-    swapped_critic = comp["critic/weights"] + comp["critic/optimizer"] if critic_swapped else 0
-    static = sum(comp[f"{r}/weights"] + comp[f"{r}/optimizer"] for r in resident_roles) + comp["ref/weights"] \
-        + comp["reward/weights"]
+    moments_out = {r: getattr(args, "optimizer_offload", False) or (r == "critic" and critic_swapped) for r in here}
+    step_moments = {r: comp[f"{r}/optimizer"] if moments_out[r] else 0 for r in here}
+    swapped_critic = comp["critic/weights"] if critic_swapped else 0
+    if critic_swapped and not swapped_moments_for_step:  # as the first swap runs had it: the whole phase
+        swapped_critic, step_moments["critic"] = swapped_critic + comp["critic/optimizer"], 0
+    static = sum(comp[f"{r}/weights"] + (0 if moments_out[r] else comp[f"{r}/optimizer"]) for r in resident_roles) \
+        + comp["ref/weights"] + comp["reward/weights"]
     # train_ppo.py steps the actor (all its micro-batches), then the critic: one role's gradients at a time
     grads = {r: comp[f"{r}/gradients"] for r in here} if updates_apart else dict.fromkeys(
         here, sum(comp[f"{r}/gradients"] for r in here))
@@ -364,7 +372,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
         "actor_update": static + kept + grads["actor"] + max(update_casts + comp["update/activations"],
                                                     comp["update/activations"] + comp["update/logits"],
-                                                    comp["update/optimizer_step"]),
+                                                    comp["update/optimizer_step"] + step_moments["actor"]),
     }
     if reward_state and args.reward_device == "swap":  # the reward model on the GPU for its phase only
         phases["reward"] = static + kept + reward_state + comp["ref/logits"] // 4
@@ -373,8 +381,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
         # -3.1% at 32, where the reward model's count, a quarter of the reference pass's, was -5% and -7%)
         phases["values"] = static + kept + comp["critic/weights"] + tokens * (shape.inter + shape.hidden) * 4
     if algo == "ppo" and not critic_elsewhere:
-        phases["critic_update"] = static + kept + swapped_critic + grads["critic"] + comp["update/activations"] \
-            + positions * shape.hidden * 4
+        phases["critic_update"] = static + kept + swapped_critic + grads["critic"] + max(
+            comp["update/activations"] + positions * shape.hidden * 4, step_moments["critic"])
     peak_allocated = max(phases.values())
     slack = RESERVED_SLACK_EMPTIED if args.empty_cache_between_phases and backend != "hf" else RESERVED_SLACK
     return dict(components=comp, phases=phases, peak_allocated=peak_allocated,
@@ -382,7 +390,9 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
                 peak_reserved=peak_allocated * (1 + slack),
                 host_bytes=offloaded * (train_bytes * 2 + _optimizer_bytes_per_param(args.optim, train_bytes))
                 + (shape.params * 2 if args.ref_device in ("offload", "swap") else 0)
-                + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0) + swapped_critic
+                + (reward_state if args.reward_device in ("offload", "swap", "cpu") else 0)
+                + (comp["critic/weights"] if critic_swapped else 0)
+                + sum(comp[f"{r}/optimizer"] for r in here if moments_out[r])
                 + in_place_backup_bytes(shape, args),
                 tokens_per_micro_batch=tokens, rows=rows)
 
@@ -641,16 +651,24 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             reward += n_mb * body / (host * OFFLOAD_STREAM) + body / (host * OFFLOAD_SETUP)
     phases["reward"] = reward
     epochs = args.num_iterations if algo == "grpo" else args.ppo_epochs
-    critic_swap_bytes = 0
+    steps_per_update = epochs * (args.num_mini_batches if algo == "ppo" else 1)  # optimizer steps per role and step
+    # over the host link per optimizer step (assumed at its rate both ways): --optimizer_offload's moments in and
+    # out, a --critic_device swap critic's weights in and out (and its moments); its weights once more for values
+    host_per_step = dict.fromkeys(["actor", "critic"], 0)
+    critic_swapped = algo == "ppo" and getattr(args, "critic_device", None) == "swap"
+    if getattr(args, "optimizer_offload", False) or critic_swapped:
+        memory = estimate(shape, args, algo, num_processes)["components"]
+        for role in ("actor", "critic") if algo == "ppo" else ("actor",):
+            moments_out = getattr(args, "optimizer_offload", False) or (role == "critic" and critic_swapped)
+            host_per_step[role] = 2 * memory[f"{role}/optimizer"] * moments_out + (
+                2 * memory["critic/weights"] if role == "critic" and critic_swapped else 0)
+        unmeasured.append("the optimizer state's copies" + (" and the critic's swap" if critic_swapped else "")
+                          + " (the host link's rate assumed both ways)")
     if algo == "ppo":
         phases["values"] = forward(shape.linear_params, bits if lora else None, with_adapters=lora)
         phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
-        if getattr(args, "critic_device", None) == "swap":  # its weights in for values; weights and moments in and
-            # out for each update (once per mini-batch and epoch), all at the host link's rate (assumed both ways)
-            memory = estimate(shape, args, algo, num_processes)["components"]
+        if critic_swapped:
             phases["values"] += memory["critic/weights"] / host
-            critic_swap_bytes = 2 * (memory["critic/weights"] + memory["critic/optimizer"])
-            unmeasured.append("--critic_device swap's copies (the host link's rate assumed both ways)")
     elif args.num_iterations > 1:
         phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
     elif getattr(args, "top_entropy_quantile", 1.0) < 1:  # the same no-grad pass, run for the tokens' entropy
@@ -658,10 +676,11 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     if getattr(args, "dynamic_sampling", False):  # at least one round; more depend on the rewards
         unmeasured.append("--dynamic_sampling: one round of generation and rewards per step counted (more rounds "
                           "add their generate and reward time each)")
-    phases["actor_update"] = epochs * update(matmul_params, bits if lora else None, True)
+    phases["actor_update"] = epochs * update(matmul_params, bits if lora else None, True) \
+        + steps_per_update * host_per_step["actor"] / host
     if algo == "ppo":
-        phases["critic_update"] = epochs * (update(shape.linear_params, bits if lora else None, False)
-                                            + args.num_mini_batches * critic_swap_bytes / host)
+        phases["critic_update"] = epochs * update(shape.linear_params, bits if lora else None, False) \
+            + steps_per_update * host_per_step["critic"] / host
     return dict(phases=phases, step=sum(phases.values()), unmeasured=unmeasured, backend=backend)
 
 
@@ -680,6 +699,8 @@ LEVERS = [
      lambda a: a.ref_device in (None, "swap") and not a.use_lora),
     (["--critic_device", "swap"], "the critic and its optimizer state in CPU memory, on the GPU for its values "
      "and update phases only", lambda a: getattr(a, "critic_device", "none") is None),
+    (["--optimizer_offload"], "the optimizer state in CPU memory, on the GPU for each optimizer step only (not "
+     "searched: its time is not yet measured)", lambda a: not a.optimizer_offload and a.optim != "paged_adamw_8bit"),
     (["--prefill_chunk_size", str(PREFILL_CHUNK)],
      f"the prompts prefilled {PREFILL_CHUNK} positions at a time (smaller prefill activations)",
      lambda a: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
@@ -1346,11 +1367,12 @@ BUDGET_RUNS += [
     # 2026-12-03, evening, held out (3 steps, median of steps 2-3), under the 24GB cap. The planner's W-PPO 1.5b plan once
     # it counted one role's gradients per update and could swap the critic: 10.20 s (10.18, 10.22; estimated 9.4),
     # 19.62 GiB reserved (19.5 estimated): target 12 s met. Beside it, the plan it made before the critic swap existed
-    # (micro-batches of 16, no activation offload; estimated 9.6 s, 18.8 GiB), without and with --critic_device swap:
+    # (micro-batches of 16, no activation offload; estimated 9.6 s, 18.8 GiB), without and with --critic_device swap
+    # (its moments then on the GPU for the whole critic update, since for its optimizer step only):
     # 10.13 and 10.43 s, 17.73 and 17.12 GiB reserved; the swap took 5.8 GiB out of generate (16.39 -> 10.59 GiB
     # allocated) and the actor's update (17.10 -> 11.30) for +0.05 s in values and +0.33 s in critic_update
     dict(row="ppo_1.5b_24gb", shape="qwen2.5-1.5b", algo="ppo", peak_reserved_gib=19.62, step_time_s=10.20,
-         copy_shared=True, updates_apart=True,
+         copy_shared=True, updates_apart=True, critic_moments_whole_phase=True,
          flags=("--reward_model_name_or_path x --torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile "
                 "--logprob_chunk_size 1024 --optim adamw_8bit --generation_backend compiled --empty_cache_between_phases "
                 "--ref_device swap --reward_device swap --per_device_train_batch_size 32 --critic_device swap").split()),
@@ -1361,6 +1383,7 @@ BUDGET_RUNS += [
                 "--ref_device swap --reward_device swap --per_device_train_batch_size 16").split()),
     dict(row="ppo_1.5b_24gb (critic swap, micro-batches of 16)", shape="qwen2.5-1.5b", algo="ppo",
          peak_reserved_gib=17.12, step_time_s=10.43, copy_shared=True, updates_apart=True,
+         critic_moments_whole_phase=True,
          flags=("--reward_model_name_or_path x --torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile "
                 "--logprob_chunk_size 256 --optim adamw_8bit --generation_backend compiled --empty_cache_between_phases "
                 "--ref_device swap --reward_device swap --per_device_train_batch_size 16 --critic_device swap").split()),
@@ -1486,11 +1509,13 @@ def main(argv=None):
 def as_measured(flags=None, row=None):
     """estimate's keywords for a measured run, as the code was when it ran: a BUDGET_RUNS row's own marks
     (copy_shared=True: the generation copy held the policy's bf16 tensors; updates_apart=True: PPO's actor and
-    critic updated one after the other), or for a run given by its flags, those of the BUDGET_RUNS rows with the
-    same flags; a run without them was measured before both changes."""
+    critic updated one after the other; critic_moments_whole_phase=True: a swapped critic's moments on the GPU for
+    its whole update), or for a run given by its flags, those of the BUDGET_RUNS rows with the same flags; a run
+    without the first two was measured before those changes."""
     rows = [row] if row is not None else [r for r in BUDGET_RUNS if r["flags"] == list(flags)]
     return dict(copy_shares=any(r.get("copy_shared", False) for r in rows),
-                updates_apart=any(r.get("updates_apart", False) for r in rows))
+                updates_apart=any(r.get("updates_apart", False) for r in rows),
+                swapped_moments_for_step=not any(r.get("critic_moments_whole_phase", False) for r in rows))
 
 
 def measured_rows():

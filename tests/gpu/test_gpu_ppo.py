@@ -63,18 +63,21 @@ def test_lora_actor_and_critic_on_gpu(run, tmp_path, local_model):
     assert all(r["optim/skipped_steps"] == 0 for r in rows) and rows[-1]["policy/kl"] > 0
 
 
-def test_swapped_critic_on_gpu(run, tmp_path, local_model):
+def test_swapped_critic_and_offloaded_moments_on_gpu(run, tmp_path, local_model):
     """--critic_device swap: the critic in pinned CPU memory outside its values and update phases. The first step's
     value loss equals the placed critic's (bf16 autocast tolerance); the actor's update, where the placed critic's
-    weights and AdamW moments sit idle, peaks lower by about their bytes (weights + 2 x weights, float32)."""
+    weights and AdamW moments sit idle, peaks lower by about their bytes (weights + 2 x weights, float32). With
+    --optimizer_offload as well, the rollout runs without either role's moments (2 x weights each, float32)."""
     peaks, rows = {}, {}
-    for name, extra in (("placed", []), ("swap", ["--critic_device", "swap"])):
+    for name, extra in (("placed", []), ("swap", ["--critic_device", "swap"]),
+                        ("offload", ["--critic_device", "swap", "--optimizer_offload"])):
         out = tmp_path / name
         result = run(ppo_args(local_model, out, "--save_strategy", "no", *extra), script="train_ppo.py")
         assert result.returncode == 0, result.stderr[-3000:]
         print(table_and_peaks(result.stdout))
         rows[name] = metrics_of(out)
         peaks[name] = rows[name][-1]["memory/actor_update/peak_allocated_gib"]
+        peaks[name + "/generate"] = rows[name][-1]["memory/generate/peak_allocated_gib"]
         if name == "swap":
             assert re.search(r"critic\s+cpu memory, on cuda:0 for its phase \(swap\)", result.stdout)
             critic_gb = float(re.search(r"critic\s.*?([\d.]+)GB\s+trainable", result.stdout).group(1))
@@ -84,6 +87,12 @@ def test_swapped_critic_on_gpu(run, tmp_path, local_model):
     print(f"actor_update peak allocated: placed {peaks['placed']:.3f} GiB, swapped {peaks['swap']:.3f} GiB "
           f"(critic {critic_gb:.3f} GB of weights)")
     assert saved_gib * 2**30 >= 0.8 * 3 * critic_gb * 1e9
+    assert rows["offload"][0]["loss/value"] == pytest.approx(rows["placed"][0]["loss/value"], rel=2e-2)
+    moments_gib = peaks["swap/generate"] - peaks["offload/generate"]
+    print(f"generate peak allocated: critic swapped {peaks['swap/generate']:.3f} GiB, and the actor's moments "
+          f"offloaded {peaks['offload/generate']:.3f} GiB")
+    # the actor's float32 AdamW moments: twice its weights, which are at least the critic's
+    assert moments_gib * 2**30 >= 0.8 * 2 * critic_gb * 1e9
 
 
 def test_balanced_roles_on_one_gpu(run, tmp_path, local_model):
