@@ -307,7 +307,7 @@ class PhaseSwap:
 
 class OptimizerSwap:
     """--optimizer_offload (and a --critic_device swap critic's optimizer): the optimizer's state tensors
-    (moments, quantisation scales) live in host buffers, pinned for a GPU parameter, and come to their
+    (moments, quantisation scales) live in host buffers (pinned on a GPU machine) and come to their
     parameter's device for the optimizer step only (`resident`), then are copied back into the same
     buffers: the forward and backward passes, generation and the other roles' phases run without them,
     for two copies of the state over the host link per step (verl's optimizer_offload does this around
@@ -319,6 +319,9 @@ class OptimizerSwap:
     def __init__(self, optimizer, enabled=True):
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps optimizers
         self.enabled = enabled
+        # pinned wherever a GPU exists (also for a state first put back from a CPU parameter: a swapped critic's
+        # moments after a resume), so the copies of a GPU step are asynchronous
+        self.pin = torch.cuda.is_available()
         self._buffers = {}  # (id(state dict), key, part) -> the host buffer its value returns to
 
     def _move(self, to_host):
@@ -329,7 +332,7 @@ class OptimizerSwap:
                 return value.to(device, non_blocking=True, copy=True)
             buffer = self._buffers.get(where)
             if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=device.type == "cuda")
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=self.pin)
                 self._buffers[where] = buffer
             return buffer.copy_(value, non_blocking=True)
 
