@@ -350,7 +350,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     # its optimizer step only; --optimizer_offload: every trained role's moments for its step only
     critic_swapped = algo == "ppo" and getattr(args, "critic_device", None) == "swap"
     resident_roles = [r for r in here if not (r == "critic" and critic_swapped)]
-    moments_out = {r: getattr(args, "optimizer_offload", False) or (r == "critic" and critic_swapped) for r in here}
+    # {trained role: its moments out of the GPU between optimizer steps} (estimate_time reads it for the copies)
+    moments_out = {r: getattr(args, "optimizer_offload", False) or (r == "critic" and critic_swapped) for r in roles}
     step_moments = {r: comp[f"{r}/optimizer"] if moments_out[r] else 0 for r in here}
     swapped_critic = comp["critic/weights"] if critic_swapped else 0
     if critic_swapped and not swapped_moments_for_step:  # as the first swap runs had it: the whole phase
@@ -394,7 +395,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
                 + (comp["critic/weights"] if critic_swapped else 0)
                 + sum(comp[f"{r}/optimizer"] for r in here if moments_out[r])
                 + in_place_backup_bytes(shape, args),
-                tokens_per_micro_batch=tokens, rows=rows)
+                tokens_per_micro_batch=tokens, rows=rows, moments_out=moments_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,10 +658,10 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     host_per_step = dict.fromkeys(["actor", "critic"], 0)
     critic_swapped = algo == "ppo" and getattr(args, "critic_device", None) == "swap"
     if getattr(args, "optimizer_offload", False) or critic_swapped:
-        memory = estimate(shape, args, algo, num_processes)["components"]
+        memory = estimate(shape, args, algo, num_processes)
+        moments_out, memory = memory["moments_out"], memory["components"]
         for role in ("actor", "critic") if algo == "ppo" else ("actor",):
-            moments_out = getattr(args, "optimizer_offload", False) or (role == "critic" and critic_swapped)
-            host_per_step[role] = 2 * memory[f"{role}/optimizer"] * moments_out + (
+            host_per_step[role] = 2 * memory[f"{role}/optimizer"] * moments_out[role] + (
                 2 * memory["critic/weights"] if role == "critic" and critic_swapped else 0)
         unmeasured.append("the optimizer state's copies" + (" and the critic's swap" if critic_swapped else "")
                           + " (the host link's rate assumed both ways)")
