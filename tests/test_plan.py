@@ -121,6 +121,15 @@ def test_a_swapped_critic_leaves_the_other_phases_and_costs_its_copies():
     assert ("critic_device", [None, "swap"]) in search_space(shape, placed, "ppo", set())
     assert "critic_device" not in dict(search_space(shape, placed, "ppo", set(), num_processes=2))
     assert not _valid(apply_flags(swapped, ["--param_offload"]))
+    # --optimizer_offload searched in one process and under DDP, not under DeepSpeed/FSDP (refused there), nor with
+    # paged_adamw_8bit (its own paging); not where the user set it
+    assert ("optimizer_offload", [False, True]) in search_space(shape, placed, "ppo", set())
+    assert ("optimizer_offload", [False, True]) in search_space(shape, placed, "ppo", set(), 2, engine="ddp")
+    for engine in ("zero2", "zero3", "fsdp2"):
+        assert "optimizer_offload" not in dict(search_space(shape, placed, "ppo", set(), 2, engine=engine)), engine
+    assert "optimizer_offload" not in dict(search_space(shape, apply_flags(placed, ["--optim", "paged_adamw_8bit"]),
+                                                        "ppo", set()))
+    assert "optimizer_offload" not in dict(search_space(shape, placed, "ppo", {"optimizer_offload"}))
 
 
 _RUNS = [("grpo", *row) for row in MEASURED + HELD_OUT] + [("ppo", *row) for row in HELD_OUT_PPO]

@@ -700,8 +700,8 @@ LEVERS = [
      lambda a: a.ref_device in (None, "swap") and not a.use_lora),
     (["--critic_device", "swap"], "the critic and its optimizer state in CPU memory, on the GPU for its values "
      "and update phases only", lambda a: getattr(a, "critic_device", "none") is None),
-    (["--optimizer_offload"], "the optimizer state in CPU memory, on the GPU for each optimizer step only (not "
-     "searched: its time is not yet measured)", lambda a: not a.optimizer_offload and a.optim != "paged_adamw_8bit"),
+    (["--optimizer_offload"], "the optimizer state in CPU memory, on the GPU for each optimizer step only",
+     lambda a: not a.optimizer_offload and a.optim != "paged_adamw_8bit"),
     (["--prefill_chunk_size", str(PREFILL_CHUNK)],
      f"the prompts prefilled {PREFILL_CHUNK} positions at a time (smaller prefill activations)",
      lambda a: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
@@ -774,6 +774,8 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
     axis("prefill_chunk_size", [None] + ([PREFILL_CHUNK] if PREFILL_CHUNK < args.max_prompt_length else []))
     axis("empty_cache_between_phases", [False, True])
+    if engine in ("single", "ddp") and args.optim != "paged_adamw_8bit":  # DeepSpeed/FSDP hold the state themselves
+        axis("optimizer_offload", [False, True])
     if num_processes == 1 and not args.use_lora:
         axis("param_offload", [False, True])
     return axes
