@@ -345,6 +345,30 @@ def test_gumbel_sampling_has_the_softmax_distribution():
     assert (frequencies - expected).abs().max() < 4 * (expected * (1 - expected) / draws.numel()).sqrt().max()
 
 
+def test_compiled_pick_draws_the_eager_picks_tokens_from_the_same_draws():
+    """--generation_backend compiled fuses the pick (scale, top-k/top-p, Gumbel noise, argmax, logsumexp) with
+    torch.compile, its uniform draws made eagerly outside it: from the same draws it takes the same token as the
+    eager pick, with the same logprob to float32 rounding, for each sampling setting; greedy takes the argmax."""
+    from utils.generation import _pick
+
+    torch.manual_seed(3)
+    logits = torch.randn(16, 300) * 4  # [B, V]
+    for temperature, top_k, top_p, greedy in [(1.0, 0, 1.0, False), (0.7, 20, 1.0, False), (1.2, 0, 0.9, False),
+                                              (1.0, 0, 1.0, True)]:
+        uniform = None if greedy else torch.rand(logits.shape)
+        compiled = torch.compile(_pick, dynamic=False)
+        token, logprob = compiled(logits, temperature, top_k, top_p, greedy, uniform)
+        eager_token, eager_logprob = _pick(logits, temperature, top_k, top_p, greedy, uniform)
+        assert torch.equal(token, eager_token), (temperature, top_k, top_p, greedy)
+        torch.testing.assert_close(logprob, eager_logprob)
+        expected = (logits / temperature).log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprob, expected, rtol=1e-5, atol=1e-5)  # before top-k / top-p
+        if greedy:
+            assert torch.equal(token, logits.argmax(-1))
+        else:  # a sampled run of draws is not the argmax everywhere
+            assert not torch.equal(token, logits.argmax(-1))
+
+
 def test_sampled_first_tokens_follow_generate_distribution():
     """Many sampled first tokens from one prompt, both ways: the same distribution (two-sample
     chi-square-like bound on the frequency gap of each token)."""
