@@ -1241,7 +1241,7 @@ BUDGET_RUNS = [
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
                 "--empty_cache_between_phases").split()),
-    dict(row="7b_full_48gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=39.36, step_time_s=19.61,
+    dict(row="7b_full_48gb (checkpointed)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=39.36, step_time_s=19.61,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --optim adamw_4bit "
                 "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
                 "--per_device_train_batch_size 2").split()),
@@ -1392,6 +1392,32 @@ BUDGET_RUNS += [
                 "--ref_device swap --reward_device swap --per_device_train_batch_size 16 --critic_device swap").split()),
 ]
 
+BUDGET_RUNS += [
+    # 2026-12-03, night, held out (3 steps, median of steps 2-3), under the cap: --optimizer_offload alone, and the 7b
+    # 48GB row as the planner plans it once it searches that flag. 1.5b 24GB (float32 weights, 8-bit moments): the
+    # row's flags measured again without it, 6.58 s (6.33, 6.83), 17.79 GiB; with it 6.34 s (6.31, 6.38; estimated
+    # 6.55), 14.84 GiB reserved: generate 16.77 -> 13.85 GiB allocated, actor_update 17.26 -> 14.56. 7b 48GB (bf16, 4-bit
+    # moments, checkpointed, micro-batches of 2): 19.61 s / 39.36 GiB (2026-12-01) -> 19.13 s (19.01, 19.24; estimated
+    # 22.3) / 37.60 GiB; generate 31.47 -> 23.93 GiB allocated, ref 37.49 -> 29.96, the update's step (weights,
+    # gradients, moments) still 37.55. The planner's plan with it, no checkpointing: 16.53 s (16.52, 16.54; estimated
+    # 19.2: its update, 9.08 s, 11.68 estimated), 38.33 GiB (40.3 estimated)
+    dict(row="7b_full_48gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=38.33, step_time_s=16.53,
+         copy_shared=True,
+         flags=("--torch_dtype bfloat16 --torch_compile --optim adamw_4bit --optimizer_offload "
+                "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
+                "--per_device_train_batch_size 2").split()),
+    dict(row="7b_full_48gb (checkpointed, optimizer offload)", shape="qwen2.5-7b", algo="grpo",
+         peak_reserved_gib=37.60, step_time_s=19.13, copy_shared=True,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --optim adamw_4bit "
+                "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
+                "--per_device_train_batch_size 2 --optimizer_offload").split()),
+    dict(row="1.5b_full_24gb (optimizer offload)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=14.84,
+         step_time_s=6.34, copy_shared=True,
+         flags=("--use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 --optim adamw_8bit "
+                "--generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --optimizer_offload").split()),
+]
+
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
 # estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
 # generation short, so they check it rather than hold it out
@@ -1405,7 +1431,7 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
     ("7b_lora_24gb (before)", "qwen2.5-7b", "grpo", {"generate": 20.45, "actor_update": 18.3}),
     ("7b_qlora_24gb (4-bit decoding)", "qwen2.5-7b", "grpo", {"generate": 16.59, "actor_update": 18.56}),
     ("7b_qlora_12gb", "qwen2.5-7b", "grpo", {"generate": 9.29, "ref": 6.57, "actor_update": 8.74}),
-    ("7b_full_48gb", "qwen2.5-7b", "grpo", {"generate": 31.47, "ref": 37.49, "actor_update": 38.69}),
+    ("7b_full_48gb (checkpointed)", "qwen2.5-7b", "grpo", {"generate": 31.47, "ref": 37.49, "actor_update": 38.69}),
     ("7b_lora_24gb (adapters in the step)", "qwen2.5-7b", "grpo", {"generate": 18.31, "actor_update": 19.88}),
     ("1.5b_full_24gb (activation offload)", "qwen2.5-1.5b", "grpo",
      {"generate": 16.34, "ref": 12.25, "actor_update": 16.93}),
@@ -1417,6 +1443,11 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
     ("7b_qlora_24gb (SDPA decoding)", "qwen2.5-7b", "grpo", {"generate": 19.23, "ref": 9.02, "actor_update": 17.28}),
     ("7b_full_80gb (micro-batches of 2)", "qwen2.5-7b", "grpo", {"generate": 38.34, "ref": 49.61, "actor_update": 56.88}),
     ("7b_full_80gb", "qwen2.5-7b", "grpo", {"generate": 38.34, "ref": 45.81, "actor_update": 60.36}),
+    ("7b_full_48gb", "qwen2.5-7b", "grpo", {"generate": 23.93, "ref": 29.95, "actor_update": 37.78}),
+    ("7b_full_48gb (checkpointed, optimizer offload)", "qwen2.5-7b", "grpo",
+     {"generate": 23.93, "ref": 29.96, "actor_update": 37.55}),
+    ("1.5b_full_24gb (optimizer offload)", "qwen2.5-1.5b", "grpo",
+     {"generate": 13.85, "ref": 9.08, "actor_update": 14.56}),
     # (its reward phase, 15.69 GiB, is left out: 14.58 estimated, -7%, not yet explained)
     ("ppo_1.5b_24gb (interleaved updates)", "qwen2.5-1.5b", "ppo",
      {"generate": 16.39, "ref": 14.91, "actor_update": 18.82, "critic_update": 17.92}),
