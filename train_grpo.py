@@ -436,7 +436,7 @@ def main(argv=None):
              "reward": (reward_model and reward_model.model, None)}
     tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report, is_main)  # where each role's bytes are
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
-    oom = OOMReport(args, "grpo", timer, tracker, num_processes)  # explains an out-of-memory error, if one ends the run
+    oom = OOMReport(args, "grpo", timer, tracker, num_processes, engine)  # explains an out-of-memory error, if one ends the run
     shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_completions)  # OOM: halve and redo a pass
     chunk = args.logprob_chunk_size
     entropy_mode = ("checkpointed" if args.entropy_checkpointing else "grad") if args.entropy_coef > 0 else "metric"

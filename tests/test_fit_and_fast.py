@@ -51,8 +51,8 @@ def test_an_out_of_memory_error_under_the_cap_says_the_cap_was_the_limit(monkeyp
     timer = types.SimpleNamespace(current="actor_update", cuda=True, device=torch.device("cuda", 0))
     tracker = types.SimpleNamespace(table=lambda: "(roles)")
     report = memory.OOMReport.__new__(memory.OOMReport)
-    report.args, report.algo, report.timer, report.tracker, report.num_processes, report.step = (
-        types.SimpleNamespace(gpu_memory="12GB"), "grpo", timer, tracker, 1, 3)
+    report.args, report.algo, report.timer, report.tracker, report.num_processes, report.engine, report.step = (
+        types.SimpleNamespace(gpu_memory="12GB"), "grpo", timer, tracker, 1, "single", 3)
     text = report.describe(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert "The limit was the cap, not the GPU: --gpu_memory 12GB holds this process's allocator to 10.5 GiB" in text
     assert "OUT OF MEMORY in phase 'actor_update' of step 3" in text

@@ -174,3 +174,24 @@ def test_auto_reduce_is_one_process_only():
     args, explicit = parse_args(train_grpo.Args, ["--auto_reduce_micro_batch", "--prompts_per_step", "4"])
     with pytest.raises(UsageError, match="needs one process"):
         train_grpo.check_args(args, 2, explicit)
+
+
+def test_best_levers_name_only_what_the_runs_processes_and_engine_accept():
+    """The out-of-memory report's three flags (best_levers): for W-PPO 1.5b with everything on the GPU the critic swap
+    and --optimizer_offload save the most in one process; with two DDP processes a swapped critic and --param_offload
+    are refused (utils/placement.py, utils/args.py), so neither is named, --optimizer_offload still is; under ZeRO-2
+    (the engine holds the optimizer state) --optimizer_offload is not named either."""
+    from utils.memory import best_levers
+    from utils.plan import WORKLOAD_PPO, script_args
+
+    args = script_args("ppo", WORKLOAD_PPO + ["--model_name_or_path", "qwen2.5-1.5b", "--reward_model_name_or_path",
+                                              "x", "--use_gradient_checkpointing", "--logprob_chunk_size", "1024"])
+
+    def named(*a):
+        return {line.split(":")[0] for line in best_levers(args, "ppo", *a, count=50)}
+
+    alone, ddp, zero2 = named(1, "single"), named(2, "ddp"), named(2, "zero2")
+    assert {"--critic_device swap", "--optimizer_offload"} <= alone
+    assert "--param_offload --offload_policy embedding,lm_head" in alone
+    assert not {"--critic_device swap", "--param_offload --offload_policy embedding,lm_head"} & ddp
+    assert "--optimizer_offload" in ddp and "--optimizer_offload" not in zero2

@@ -334,9 +334,9 @@ class OOMReport:
     biggest live allocations (CUDA), and the three flags the planner says would save the most.
     Then the traceback; the process exits non-zero and the last checkpoint is left as it was."""
 
-    def __init__(self, args, algo, timer, tracker, num_processes=1):
+    def __init__(self, args, algo, timer, tracker, num_processes=1, engine="single"):
         self.args, self.algo, self.timer, self.tracker = args, algo, timer, tracker
-        self.num_processes, self.step = num_processes, None
+        self.num_processes, self.engine, self.step = num_processes, engine, None
         self.previous = sys.excepthook
         sys.excepthook = self
 
@@ -366,7 +366,7 @@ class OOMReport:
         lines.append("where the memory is, per role:\n" + self.tracker.table())
         lines.append("what would save the most (the planner's estimate, each alone; python -m utils.plan "
                      "or --plan for a full plan):")
-        lines += [f"  {line}" for line in best_levers(self.args, self.algo, self.num_processes)]
+        lines += [f"  {line}" for line in best_levers(self.args, self.algo, self.num_processes, self.engine)]
         lines.append("The last checkpoint is untouched: resume with --resume_from_checkpoint latest.")
         lines.append("=" * 80)
         return "\n".join(lines)
@@ -391,9 +391,11 @@ def biggest_allocations(device, count=5):
             + lines) if lines else []
 
 
-def best_levers(args, algo, num_processes=1, count=3):
-    """The `count` flags from the planner's list that lower its estimated peak the most."""
-    from utils.plan import LEVERS, apply_flags, estimate, load_shape
+def best_levers(args, algo, num_processes=1, engine="single", count=3):
+    """The `count` flags from the planner's list that lower its estimated peak the most, of those this run's
+    processes and engine accept (a swapped critic or --param_offload only in one process, --optimizer_offload not
+    under DeepSpeed/FSDP)."""
+    from utils.plan import LEVERS, _valid, apply_flags, estimate, load_shape
 
     try:
         shape = load_shape(args.model_name_or_path)
@@ -402,8 +404,9 @@ def best_levers(args, algo, num_processes=1, count=3):
     base = estimate(shape, args, algo, num_processes)["peak_reserved"]
     gains = []
     for flags, why, applies in LEVERS:
-        if applies(args):
-            after = estimate(shape, apply_flags(args, flags), algo, num_processes)["peak_reserved"]
+        trial = apply_flags(args, flags) if applies(args) else None
+        if trial is not None and _valid(trial, num_processes, engine):
+            after = estimate(shape, trial, algo, num_processes)["peak_reserved"]
             if after < base:
                 gains.append((base - after, f"{' '.join(flags)}: {why} (saves ~{human_bytes(base - after)})"))
     if not args.use_lora:

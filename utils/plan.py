@@ -781,9 +781,15 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
     return axes
 
 
-def _valid(a):
-    """The scripts' own checks of lever combinations (utils/args.py check_memory_args)."""
+def _valid(a, num_processes=1, engine="single"):
+    """The scripts' own checks of lever combinations (utils/args.py check_memory_args) and of the levers a run's
+    processes and engine refuse (utils/placement.py, utils/args.py, utils/engines.py check_engine_args)."""
     if a.activation_offload and not a.use_gradient_checkpointing:
+        return False
+    alone = num_processes == 1 and engine == "single"
+    if (a.param_offload or getattr(a, "critic_device", None) == "swap") and not alone:
+        return False
+    if a.optimizer_offload and (engine not in ("single", "ddp") or a.optim == "paged_adamw_8bit"):
         return False
     if a.generation_backend in CAPTURED_BACKENDS and a.param_offload and not a.generation_copy:
         return False
@@ -824,7 +830,7 @@ def search(shape, args, algo, gpu_bytes, explicit=frozenset(), num_processes=1, 
             trial = copy.copy(base)
             for (name, _), value in zip(axes, values):
                 setattr(trial, name, value)
-            if not _valid(trial):
+            if not _valid(trial, num_processes, engine):
                 continue
             considered += 1
             memory = estimate(shape, trial, algo, num_processes)
