@@ -374,6 +374,29 @@ def test_prefill_chunks_shrink_the_prefill_and_keep_a_tight_card_at_fewer_slices
     assert unchunked["args"].generation_slice_size == 32 and unchunked["time"]["step"] > found["time"]["step"]
 
 
+def test_reward_pass_counted_at_its_own_batch_and_the_compiled_reference_pass_as_the_larger_of_mlp_and_head():
+    """A swapped reward model's phase holds its weights and one forward over REWARD_BATCH_ROWS rows of its own
+    (utils/rewards.py batches them so, whatever the micro-batch): 12 bytes per token x intermediate, the same at
+    micro-batches of 4 and 64. A compiled no-grad reference pass peaks at the larger of a layer's MLP outputs (gate, up,
+    their product: 6 bytes) and the LM head's chunk; eager (LoRA) both are counted."""
+    from utils.plan import LOGIT_BYTES_NO_GRAD, REWARD_BATCH_ROWS
+
+    shape = load_shape("qwen2.5-1.5b")
+    T = 256 + 512
+    flags = ["--reward_model_name_or_path", "x", "--reward_device", "swap", "--torch_dtype", "bfloat16",
+             "--use_gradient_checkpointing", "--torch_compile", "--logprob_chunk_size", "1024"]
+    small, large = (estimate(shape, script_args("ppo", WORKLOAD_PPO + flags + ["--per_device_train_batch_size", b]),
+                             "ppo") for b in ("4", "64"))
+    assert small["components"]["reward/pass"] == large["components"]["reward/pass"] == REWARD_BATCH_ROWS * T * shape.inter * 12
+    head = 1024 * shape.vocab * LOGIT_BYTES_NO_GRAD
+    assert small["components"]["ref/logits"] == max(head, 4 * T * shape.inter * 6) == head
+    assert large["components"]["ref/logits"] == max(head, 64 * T * shape.inter * 6) == 64 * T * shape.inter * 6
+    lora = estimate(shape, script_args("grpo", WORKLOAD_GRPO + ["--use_lora", "--logprob_chunk_size", "1024",
+                                                                "--per_device_train_batch_size", "32"]), "grpo")
+    assert lora["components"]["ref/logits"] == head + 32 * T * shape.inter * 4
+    assert lora["components"]["reward/pass"] == 0  # no reward model
+
+
 def test_fp8_kv_cache_counted_by_hand_and_not_searched_yet():
     """--kv_cache_dtype fp8 at 7b, 128 rows, a 768-position static cache: 28 layers x keys and values x 4
     heads x (128 code bytes + a 4-byte scale) per position, plus one layer's bf16 keys and values while

@@ -21,6 +21,10 @@ def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
     return -(-(prompt_len + max_new_tokens) // multiple) * multiple
 
 
+# rows per forward of a reward model (utils/rewards.py RewardModel, whatever the training micro-batch)
+REWARD_BATCH_ROWS = 16
+
+
 # torchao's optimizers step a parameter above this many elements one slice at a time (utils/optim.py), so
 # the step's temporaries (24 bytes an element measured alone; the planner counts 16, fitted with what else is
 # live then) are bounded by the slice

@@ -22,7 +22,7 @@ This module imports no runtime code (utils.base and utils.cli only; the scripts'
 import sys
 from dataclasses import dataclass
 
-from utils.base import (CAPTURED_BACKENDS, GIB, PREFILL_CHUNK, STEP_SLICE, own_gpus, parse_memory,  # noqa: F401
+from utils.base import (CAPTURED_BACKENDS, GIB, PREFILL_CHUNK, REWARD_BATCH_ROWS, STEP_SLICE, own_gpus, parse_memory,  # noqa: F401
                         resolve_generation_backend, static_cache_len)
 
 # the workload shapes (benchmarks/README.md); benchmarks/memory.py builds its models from these
@@ -321,10 +321,21 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     comp["update/logits"] = chunk * shape.vocab * LOGIT_BYTES + positions * shape.hidden * 4
     if args.logprob_chunk_size and not args.use_lora:  # the head's weight gradient, summed over chunks
         comp["update/logits"] += 2 * shape.vocab * shape.hidden * train_bytes
-    # a no-grad pass keeps no activations: a layer's peak is its MLP's two [tokens, intermediate] bf16 tensors
-    # (gate and up; counted after the 7b QLoRA 24GB row's reference pass at micro-batches of 32 came out 13% under
-    # the half-a-training-layer count used before; the ten measured reference phases are within 2.4% with it)
-    comp["ref/logits"] = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD + tokens * shape.inter * 4
+    # a no-grad pass keeps no activations: a layer's peak is its MLP's [tokens, intermediate] bf16 tensors, the LM
+    # head's chunk comes after the last layer. Eager layers (the LoRA and QLoRA rows): gate's and up's outputs counted
+    # beside the chunk (after the 7b QLoRA 24GB row's reference pass at micro-batches of 32 came out 13% under the
+    # half-a-training-layer count used before; PEFT's adapters add temporaries of their own). Compiled layers
+    # (--torch_compile; the reference is compiled too): gate's, up's and their product's outputs, freed inside the
+    # layer's graph before the head runs, so the larger of the two (their sum had the 1.5b rows at micro-batches of
+    # 16-32 with chunks of 1024 at +5% to +9%, 2026-12-03; every measured reference phase is within 3.3% with this)
+    no_grad_mlp = tokens * shape.inter * (6 if args.torch_compile else 4)
+    head_chunk = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD
+    comp["ref/logits"] = max(head_chunk, no_grad_mlp) if args.torch_compile else head_chunk + no_grad_mlp
+    # a reward model's forward: REWARD_BATCH_ROWS rows of its own (utils/rewards.py), eager, whatever the micro-batch;
+    # 12 bytes per token x intermediate (fitted: the three W-PPO 1.5b rows with a swapped reward model, micro-batches of
+    # 4 to 32, each held 1.23 GiB above its weights in the reward phase, 2026-12-03; counted before as a quarter of
+    # the reference pass's, -7% to -9%). Not measured at 7b
+    comp["reward/pass"] = REWARD_BATCH_ROWS * T * shape.inter * 12 if args.reward_model_name_or_path else 0
     # torchao's 4-bit step (compiled) allocates int64 buffers the size of the parameter it steps (on the H200,
     # before utils/optim.py stepped large ones in slices: 1.74 GiB for the 1.5b embedding, 4.06 GiB for the 7b
     # one; both runs ran out of memory there): the largest parameter or STEP_SLICE elements, the smaller
@@ -335,7 +346,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
 
     other = {}  # another GPU -> its peak: the role's state plus its own pass
     if reward_elsewhere:
-        other[args.reward_device] = reward_state + comp["ref/logits"] // 4  # no LM head: hidden states only
+        other[args.reward_device] = reward_state + comp["reward/pass"]
     ref_elsewhere = _other_gpu(args.ref_device) and uses_ref and not args.use_lora
     if ref_elsewhere:
         other[args.ref_device] = other.get(args.ref_device, 0) + _frozen_bytes(shape, shape.params, quant) \
@@ -376,7 +387,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
                                                     comp["update/optimizer_step"] + step_moments["actor"]),
     }
     if reward_state and args.reward_device == "swap":  # the reward model on the GPU for its phase only
-        phases["reward"] = static + kept + reward_state + comp["ref/logits"] // 4
+        phases["reward"] = static + kept + reward_state + comp["reward/pass"]
     if critic_swapped:  # its values pass: the weights, a no-grad layer's MLP intermediates and the float32 hidden
         # states the value head reads (no LM head; the W-PPO 1.5b runs of 2026-12-03: -2.4% at micro-batches of 16,
         # -3.1% at 32, where the reward model's count, a quarter of the reference pass's, was -5% and -7%)
@@ -1471,26 +1482,23 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
     ("7b_full_48gb", "qwen2.5-7b", "grpo", {"generate": 23.93, "ref": 29.95, "actor_update": 37.78}),
     ("7b_full_48gb (checkpointed, optimizer offload)", "qwen2.5-7b", "grpo",
      {"generate": 23.93, "ref": 29.96, "actor_update": 37.55}),
-    # (their reference passes, 9.98 and 12.66 GiB, are left out: 10.49 and 13.52 estimated, +5% and +7%, the
-    # micro-batches-of-16/32-with-chunk-1024 overcount noted above; a placed critic's values pass is not a phase of
-    # its own in the estimate)
-    ("1.5b_full_24gb", "qwen2.5-1.5b", "grpo", {"generate": 13.85, "actor_update": 17.63}),
-    ("ppo_1.5b_24gb", "qwen2.5-1.5b", "ppo", {"generate": 10.54, "actor_update": 17.02, "critic_update": 15.65}),
+    # (a placed critic's values pass is not a phase of its own in the estimate)
+    ("1.5b_full_24gb", "qwen2.5-1.5b", "grpo", {"generate": 13.85, "ref": 9.98, "actor_update": 17.63}),
+    ("ppo_1.5b_24gb", "qwen2.5-1.5b", "ppo", {"generate": 10.54, "ref": 12.66, "reward": 12.48, "actor_update": 17.02,
+                                              "critic_update": 15.65}),
     ("1.5b_full_24gb (optimizer offload)", "qwen2.5-1.5b", "grpo",
      {"generate": 13.85, "ref": 9.08, "actor_update": 14.56}),
-    # (its reward phase, 15.69 GiB, is left out: 14.58 estimated, -7%, not yet explained)
     ("ppo_1.5b_24gb (interleaved updates)", "qwen2.5-1.5b", "ppo",
-     {"generate": 16.39, "ref": 14.91, "actor_update": 18.82, "critic_update": 17.92}),
+     {"generate": 16.39, "ref": 14.91, "reward": 15.69, "actor_update": 18.82, "critic_update": 17.92}),
     ("7b_qlora_24gb", "qwen2.5-7b", "grpo", {"generate": 19.23, "ref": 9.02, "actor_update": 17.24}),
     ("ppo_1.5b_24gb (activation offload, micro-batches of 4)", "qwen2.5-1.5b", "ppo",
      {"generate": 16.39, "ref": 14.91, "actor_update": 15.95, "critic_update": 15.10}),
-    # (its reference phase, 10.08 GiB, is left out: 10.94 estimated, +8.5% at micro-batches of 32, not yet explained)
-    ("ppo_1.5b_24gb (critic swap, micro-batches of 32)", "qwen2.5-1.5b", "ppo", {"generate": 10.59, "values": 9.94, "actor_update": 14.42,
-                                             "critic_update": 18.70}),
+    ("ppo_1.5b_24gb (critic swap, micro-batches of 32)", "qwen2.5-1.5b", "ppo",
+     {"generate": 10.59, "ref": 10.08, "reward": 9.90, "values": 9.94, "actor_update": 14.42, "critic_update": 18.70}),
     ("ppo_1.5b_24gb (micro-batches of 16)", "qwen2.5-1.5b", "ppo",
-     {"generate": 16.39, "ref": 15.17, "actor_update": 17.10, "critic_update": 16.66}),
+     {"generate": 16.39, "ref": 15.17, "reward": 15.69, "actor_update": 17.10, "critic_update": 16.66}),
     ("ppo_1.5b_24gb (critic swap, micro-batches of 16)", "qwen2.5-1.5b", "ppo",
-     {"generate": 10.59, "ref": 9.37, "values": 9.37, "actor_update": 11.30, "critic_update": 16.66}),
+     {"generate": 10.59, "ref": 9.37, "reward": 9.90, "values": 9.37, "actor_update": 11.30, "critic_update": 16.66}),
 ]]
 
 

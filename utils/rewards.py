@@ -32,6 +32,7 @@ import os
 import re
 import warnings
 
+from utils.base import REWARD_BATCH_ROWS
 from utils.cli import UsageError, UserCodeError, user_frames_only
 
 # ----------------------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ class RewardModel:
 
     name = "reward_model"
 
-    def __init__(self, path, placement, dtype, fallback_tokenizer=None, batch_size=16, trust_remote_code=False,
+    def __init__(self, path, placement, dtype, fallback_tokenizer=None, batch_size=REWARD_BATCH_ROWS, trust_remote_code=False,
                  quantization=None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
