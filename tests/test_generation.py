@@ -369,6 +369,30 @@ def test_compiled_pick_draws_the_eager_picks_tokens_from_the_same_draws():
             assert not torch.equal(token, logits.argmax(-1))
 
 
+def test_compiled_sampled_step_draws_the_static_steps_tokens_with_the_training_forwards_logprobs():
+    """The whole compiled decoding step with sampling (the forward and the fused pick compiled, the draws eager; on a
+    CPU without a CUDA graph), against the eager static step from the same seed: the same draws in the same order,
+    so the same tokens; each token's logprob is the training forward's (completion_logprobs) to float32 numerics."""
+    from utils.ops import completion_logprobs
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    pad = tokenizer.pad_token_id
+    runs = {}
+    for mode in ("static", "compiled"):
+        torch.manual_seed(5)
+        runs[mode] = static_cache_generate(model, ids, mask, 10, 0.8, 0.95, 0, [10**9], pad, step_mode=mode,
+                                           return_logprobs=True)
+    (tokens, logprobs), (eager_tokens, eager_logprobs) = runs["compiled"], runs["static"]
+    assert torch.equal(tokens, eager_tokens)
+    torch.testing.assert_close(logprobs, eager_logprobs, rtol=0, atol=1e-4)
+    completion_mask = torch.ones_like(tokens)
+    with torch.no_grad():
+        train_logprobs, _ = completion_logprobs(model, torch.cat([ids, tokens], 1), torch.cat([mask, completion_mask], 1),
+                                                tokens.shape[1], 0.8)
+    torch.testing.assert_close(logprobs, train_logprobs, rtol=0, atol=1e-4)
+    assert logprobs.min() < -0.5  # real draws, not the argmax
+
+
 def test_sampled_first_tokens_follow_generate_distribution():
     """Many sampled first tokens from one prompt, both ways: the same distribution (two-sample
     chi-square-like bound on the frequency gap of each token)."""

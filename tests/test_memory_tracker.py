@@ -185,7 +185,8 @@ def test_best_levers_name_only_what_the_runs_processes_and_engine_accept():
     from utils.plan import WORKLOAD_PPO, script_args
 
     args = script_args("ppo", WORKLOAD_PPO + ["--model_name_or_path", "qwen2.5-1.5b", "--reward_model_name_or_path",
-                                              "x", "--use_gradient_checkpointing", "--logprob_chunk_size", "1024"])
+                                              "x", "--use_gradient_checkpointing", "--logprob_chunk_size", "1024",
+                                              "--generation_backend", "compiled"])  # as a run resolves auto on a GPU
 
     def named(*a):
         return {line.split(":")[0] for line in best_levers(args, "ppo", *a, count=50)}

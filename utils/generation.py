@@ -213,7 +213,7 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
         forward = _compiled_or_eager(forward)
         # the pick's passes over the [B, V] float32 logits (scale, Gumbel noise, argmax, logsumexp) fused: eager they
         # were ~0.3 ms of the 1.5b workload's 3.5 ms step (an H200 profile, 2026-12-03, 128 rows); the same draws
-        pick = _compiled_or_eager(_pick)
+        pick = _compiled_or_eager(_pick, "the token pick")
 
     def step(token, position, cache_position, mask):
         logits = forward(token, position, cache_position, mask)  # [B, V]
@@ -227,11 +227,11 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
     return cache, step
 
 
-def _compiled_or_eager(forward):
+def _compiled_or_eager(forward, what="the model's forward"):
     """torch.compile'd `forward`, or `forward` itself if compiling it fails at its first call (an
-    architecture or operator inductor cannot handle): a warning, and the rollout goes on as
-    --generation_backend cudagraph would (same numbers, uncompiled kernels). Out of memory is
-    not a compile failure and is raised."""
+    architecture or operator inductor cannot handle): a warning naming `what`, and the rollout goes on
+    with that part uncompiled, as --generation_backend cudagraph runs it (same numbers, uncompiled kernels).
+    Out of memory is not a compile failure and is raised."""
     compiled = torch.compile(forward, fullgraph=False, dynamic=False)
     chosen = []
 
@@ -244,9 +244,9 @@ def _compiled_or_eager(forward):
             except Exception as error:  # noqa: BLE001 (any compiler error)
                 import warnings
 
-                warnings.warn(f"--generation_backend compiled: torch.compile failed on this model "
+                warnings.warn(f"--generation_backend compiled: torch.compile failed on {what} "
                               f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
-                              "decoding uncompiled (as --generation_backend cudagraph) instead")
+                              "running it uncompiled (as --generation_backend cudagraph does) instead")
                 chosen.append(forward)
                 return forward(*args)
             chosen.append(compiled)

@@ -405,6 +405,8 @@ def best_levers(args, algo, num_processes=1, engine="single", count=3):
     gains = []
     for flags, why, applies in LEVERS:
         trial = apply_flags(args, flags) if applies(args) else None
+        if trial is not None:  # the scripts resolved --generation_backend auto already; a lever that moves weights
+            trial.generation_backend = "auto" if trial.param_offload else trial.generation_backend  # gets hf/static
         if trial is not None and _valid(trial, num_processes, engine):
             after = estimate(shape, trial, algo, num_processes)["peak_reserved"]
             if after < base:

@@ -328,14 +328,15 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     # (--torch_compile; the reference is compiled too): gate's, up's and their product's outputs, freed inside the
     # layer's graph before the head runs, so the larger of the two (their sum had the 1.5b rows at micro-batches of
     # 16-32 with chunks of 1024 at +5% to +9%, 2026-12-03; every measured reference phase is within 3.3% with this)
-    no_grad_mlp = tokens * shape.inter * (6 if args.torch_compile else 4)
     head_chunk = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD
-    comp["ref/logits"] = max(head_chunk, no_grad_mlp) if args.torch_compile else head_chunk + no_grad_mlp
+    compiled_layers = args.torch_compile and not args.use_lora  # LoRA under --torch_compile: not measured, summed
+    no_grad_mlp = tokens * shape.inter * (6 if compiled_layers else 4)
+    comp["ref/logits"] = max(head_chunk, no_grad_mlp) if compiled_layers else head_chunk + no_grad_mlp
     # a reward model's forward: REWARD_BATCH_ROWS rows of its own (utils/rewards.py), eager, whatever the micro-batch;
     # 12 bytes per token x intermediate (fitted: the three W-PPO 1.5b rows with a swapped reward model, micro-batches of
     # 4 to 32, each held 1.23 GiB above its weights in the reward phase, 2026-12-03; counted before as a quarter of
     # the reference pass's, -7% to -9%). Not measured at 7b
-    comp["reward/pass"] = REWARD_BATCH_ROWS * T * shape.inter * 12 if args.reward_model_name_or_path else 0
+    comp["reward/pass"] = min(REWARD_BATCH_ROWS, rows) * T * shape.inter * 12 if args.reward_model_name_or_path else 0
     # torchao's 4-bit step (compiled) allocates int64 buffers the size of the parameter it steps (on the H200,
     # before utils/optim.py stepped large ones in slices: 1.74 GiB for the 1.5b embedding, 4.06 GiB for the 7b
     # one; both runs ran out of memory there): the largest parameter or STEP_SLICE elements, the smaller
