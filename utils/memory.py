@@ -404,13 +404,16 @@ def best_levers(args, algo, num_processes=1, engine="single", count=3):
     base = estimate(shape, args, algo, num_processes)["peak_reserved"]
     gains = []
     for flags, why, applies in LEVERS:
-        trial = apply_flags(args, flags) if applies(args) else None
-        if trial is not None:  # the scripts resolved --generation_backend auto already; a lever that moves weights
-            trial.generation_backend = "auto" if trial.param_offload else trial.generation_backend  # gets hf/static
-        if trial is not None and _valid(trial, num_processes, engine):
-            after = estimate(shape, trial, algo, num_processes)["peak_reserved"]
-            if after < base:
-                gains.append((base - after, f"{' '.join(flags)}: {why} (saves ~{human_bytes(base - after)})"))
+        if not applies(args):
+            continue
+        trial = apply_flags(args, flags)
+        if trial.param_offload:  # the scripts resolved --generation_backend auto already; moved weights get hf/static
+            trial.generation_backend = "auto"
+        if not _valid(trial, num_processes, engine):
+            continue
+        after = estimate(shape, trial, algo, num_processes)["peak_reserved"]
+        if after < base:
+            gains.append((base - after, f"{' '.join(flags)}: {why} (saves ~{human_bytes(base - after)})"))
     if not args.use_lora:
         gains.append((0, "--use_lora (with --load_in_4bit for QLoRA): train adapters instead of all weights"))
     return [line for _, line in sorted(gains, key=lambda g: -g[0])[:count]]
