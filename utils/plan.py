@@ -1241,7 +1241,7 @@ BUDGET_RUNS = [
     dict(row="7b_qlora_12gb (slices of 32)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.21, step_time_s=52.59,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 32 --generation_backend compiled --empty_cache_between_phases").split()),
-    dict(row="ppo_7b_80gb", shape="qwen2.5-7b", algo="ppo", peak_reserved_gib=66.16, step_time_s=41.16,
+    dict(row="ppo_7b_80gb (optimizer on the GPU)", shape="qwen2.5-7b", algo="ppo", peak_reserved_gib=66.16, step_time_s=41.16,
          flags=("--use_lora --torch_dtype bfloat16 --reward_model_name_or_path x --use_gradient_checkpointing "
                 "--logprob_chunk_size 1024 --generation_backend compiled --generation_copy "
                 "--empty_cache_between_phases --per_device_train_batch_size 32").split()),
@@ -1255,7 +1255,7 @@ BUDGET_RUNS = [
     # MLP activations counted, 5% allocator slack with emptied caches, --prefill_chunk_size searched); 3 steps,
     # the median of steps 2-3. 1.5b 24GB: its step 2 (14.2 s) recompiled in ref and update, step 3 took 8.4 s;
     # it ran with the --generation_copy built with weight initialisation at every rollout (fixed after)
-    dict(row="7b_qlora_12gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.69, step_time_s=39.72,
+    dict(row="7b_qlora_12gb (no activation offload)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.69, step_time_s=39.72,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
                 "--empty_cache_between_phases").split()),
@@ -1273,7 +1273,7 @@ BUDGET_RUNS = [
          flags=("--use_gradient_checkpointing --torch_compile --activation_offload --logprob_chunk_size 256 "
                 "--optim adamw_8bit --generation_backend compiled --generation_copy --empty_cache_between_phases "
                 "--ref_device swap --per_device_train_batch_size 16").split()),
-    dict(row="1.5b_full_12gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=10.05, step_time_s=6.95,
+    dict(row="1.5b_full_12gb (activation offload, 4-bit moments)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=10.05, step_time_s=6.95,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
                 "--logprob_chunk_size 256 --optim adamw_4bit --generation_backend compiled "
                 "--empty_cache_between_phases --ref_device swap").split()),
@@ -1455,6 +1455,43 @@ BUDGET_RUNS += [
                 "--ref_device swap --reward_device swap --per_device_train_batch_size 32").split()),
 ]
 
+BUDGET_RUNS += [
+    # 2026-12-04, held out (3 steps, median of steps 2-3), under the cap: the three rows whose plans changed once the
+    # planner searched --optimizer_offload at every card. 1.5b 12GB (bf16 weights, 8-bit moments out of the GPU, no
+    # activation offload, micro-batches of 16): 6.95 s / 10.05 GiB -> 5.70 s (5.73, 5.67; estimated 5.8), 9.46 GiB
+    # (9.6); 7b QLoRA 12GB (activation offload and the adapters' moments out, micro-batches of 16): 39.72 -> 39.35 s
+    # (39.31, 39.39; estimated 38.2), 10.32 GiB (9.7); W-PPO 7b 80GB, the same flags as before, with the generation
+    # copy sharing the policy's bf16 tensors and the updates apart: 41.16 s / 66.16 GiB -> 36.42 s (35.86, 36.98;
+    # estimated 32.2), 63.84 GiB (66.9). Beside them, the two held-out rows outside the bounds, run again with
+    # today's code: 1.5b 24GB with activation offload 11.29 -> 8.87 s (8.02, 9.71), 18.98 GiB; 7b 80GB checkpointed
+    # at micro-batches of 32 20.51 -> 16.50 s (16.52, 16.48), 59.56 GiB (its memory estimate still ~11% over)
+    dict(row="1.5b_full_12gb", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=9.46, step_time_s=5.70,
+         copy_shared=True,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 "
+                "--optim adamw_8bit --optimizer_offload --generation_backend compiled --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="7b_qlora_12gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=10.32, step_time_s=39.35,
+         copy_shared=True,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload --logprob_chunk_size 256 "
+                "--optimizer_offload --generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
+                "--empty_cache_between_phases --per_device_train_batch_size 16").split()),
+    dict(row="ppo_7b_80gb", shape="qwen2.5-7b", algo="ppo", peak_reserved_gib=63.84, step_time_s=36.42,
+         copy_shared=True, updates_apart=True,
+         flags=("--use_lora --torch_dtype bfloat16 --reward_model_name_or_path x --use_gradient_checkpointing "
+                "--logprob_chunk_size 1024 --generation_backend compiled --generation_copy "
+                "--empty_cache_between_phases --per_device_train_batch_size 32").split()),
+    dict(row="1.5b_full_24gb (activation offload, 2026-12-04)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=18.98, step_time_s=8.87, copy_shared=True,
+         flags=("--use_gradient_checkpointing --torch_compile --activation_offload --logprob_chunk_size 256 "
+                "--optim adamw_8bit --generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="7b_full_80gb (checkpointed, micro-batches of 32, 2026-12-04)", shape="qwen2.5-7b", algo="grpo",
+         peak_reserved_gib=59.56, step_time_s=16.50, copy_shared=True,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size "
+                "1024 --optim adamw_8bit --generation_backend compiled --ref_device swap "
+                "--per_device_train_batch_size 32").split()),
+]
+
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
 # estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
 # generation short, so they check it rather than hold it out
@@ -1463,18 +1500,18 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
     ("7b_full_80gb (checkpointed, micro-batches of 32)", "qwen2.5-7b", "grpo",
      {"generate": 38.34, "ref": 50.58, "actor_update": 57.73}),
     ("7b_qlora_12gb (slices of 32)", "qwen2.5-7b", "grpo", {"generate": 8.52, "ref": 6.57, "actor_update": 8.82}),
-    ("ppo_7b_80gb", "qwen2.5-7b", "ppo", {"generate": 65.36, "ref": 44.85, "actor_update": 56.05}),
+    ("ppo_7b_80gb (optimizer on the GPU)", "qwen2.5-7b", "ppo", {"generate": 65.36, "ref": 44.85, "actor_update": 56.05}),
     ("1.5b_full_12gb (unsliced step)", "qwen2.5-1.5b", "grpo", {"generate": 8.43, "ref": 8.17, "actor_update": 9.21}),
     ("7b_lora_24gb (before)", "qwen2.5-7b", "grpo", {"generate": 20.45, "actor_update": 18.3}),
     ("7b_qlora_24gb (4-bit decoding)", "qwen2.5-7b", "grpo", {"generate": 16.59, "actor_update": 18.56}),
-    ("7b_qlora_12gb", "qwen2.5-7b", "grpo", {"generate": 9.29, "ref": 6.57, "actor_update": 8.74}),
+    ("7b_qlora_12gb (no activation offload)", "qwen2.5-7b", "grpo", {"generate": 9.29, "ref": 6.57, "actor_update": 8.74}),
     ("7b_full_48gb (checkpointed)", "qwen2.5-7b", "grpo", {"generate": 31.47, "ref": 37.49, "actor_update": 38.69}),
     ("7b_lora_24gb (adapters in the step)", "qwen2.5-7b", "grpo", {"generate": 18.31, "actor_update": 19.88}),
     ("1.5b_full_24gb (activation offload)", "qwen2.5-1.5b", "grpo",
      {"generate": 16.34, "ref": 12.25, "actor_update": 16.93}),
     ("1.5b_full_24gb (chunk 256, micro-batches of 8)", "qwen2.5-1.5b", "grpo", {"generate": 16.77, "ref": 12.0, "actor_update": 17.26}),
     ("7b_qlora_24gb (slices of 64)", "qwen2.5-7b", "grpo", {"generate": 18.16, "ref": 9.04, "actor_update": 17.58}),
-    ("1.5b_full_12gb", "qwen2.5-1.5b", "grpo", {"generate": 9.19, "ref": 7.73, "actor_update": 8.92}),
+    ("1.5b_full_12gb (activation offload, 4-bit moments)", "qwen2.5-1.5b", "grpo", {"generate": 9.19, "ref": 7.73, "actor_update": 8.92}),
     ("7b_lora_24gb (input cast)", "qwen2.5-7b", "grpo", {"generate": 18.22, "ref": 16.41, "actor_update": 19.72}),
     ("7b_lora_24gb", "qwen2.5-7b", "grpo", {"generate": 18.22, "ref": 16.41, "actor_update": 18.62}),
     ("7b_qlora_24gb (SDPA decoding)", "qwen2.5-7b", "grpo", {"generate": 19.23, "ref": 9.02, "actor_update": 17.28}),
@@ -1500,6 +1537,13 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
      {"generate": 16.39, "ref": 15.17, "reward": 15.69, "actor_update": 17.10, "critic_update": 16.66}),
     ("ppo_1.5b_24gb (critic swap, micro-batches of 16)", "qwen2.5-1.5b", "ppo",
      {"generate": 10.59, "ref": 9.37, "reward": 9.90, "values": 9.37, "actor_update": 11.30, "critic_update": 16.66}),
+    ("1.5b_full_12gb", "qwen2.5-1.5b", "grpo", {"generate": 7.67, "ref": 6.45, "actor_update": 9.37}),
+    ("7b_qlora_12gb", "qwen2.5-7b", "grpo", {"generate": 8.99, "ref": 7.09, "actor_update": 9.47}),
+    ("ppo_7b_80gb", "qwen2.5-7b", "ppo", {"generate": 63.33, "ref": 44.83, "actor_update": 53.05, "critic_update": 53.05}),
+    ("1.5b_full_24gb (activation offload, 2026-12-04)", "qwen2.5-1.5b", "grpo",
+     {"generate": 16.77, "ref": 12.24, "actor_update": 16.84}),
+    ("7b_full_80gb (checkpointed, micro-batches of 32, 2026-12-04)", "qwen2.5-7b", "grpo",
+     {"generate": 38.34, "ref": 50.57, "actor_update": 57.40}),
 ]]
 
 
