@@ -227,6 +227,45 @@ def test_param_offload_resolves_names_and_keeps_the_math():
         resolve_offload_modules(base, "layers.0.mlp")
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_embedding_moves_only_the_used_rows_and_sums_their_gradients_as_f_embedding(dtype, monkeypatch):
+    """--param_offload's embedding (utils/offload.py _EmbeddingRows) against F.embedding on the whole matrix:
+    repeated ids, the padding row (no gradient), two micro-batches accumulating into one .grad, a second use of
+    the weight through autograd (a tied LM head) summed with it, and a frozen weight (LoRA) left without one."""
+    import utils.offload as offload
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 8, generator=g).to(dtype)
+    batches = [torch.tensor([[3, 3, 7, 0], [0, 9, 3, 49]]), torch.tensor([[7, 7, 7, 1], [2, 0, 0, 9]])]
+    head = torch.randn(8, generator=g).to(dtype)
+    gathered = []
+    real_select = torch.index_select
+    monkeypatch.setattr(offload.torch, "index_select", lambda w, d, idx, out=None: (
+        gathered.append(idx.numel()), real_select(w, d, idx, out=out))[1])
+
+    def loss_of(w, ids, rows):
+        out = offload._EmbeddingRows.apply(w, ids, 0) if rows else torch.nn.functional.embedding(ids, w, 0)
+        scale = torch.arange(1.0, out.numel() + 1).reshape(out.shape).to(dtype)  # a different weight per slot
+        return (out * scale).sum() + (w @ head).square().sum()  # the second term: a tied head's use of w
+
+    grads, outs = [], []
+    for rows in (False, True):
+        w = weight.clone().requires_grad_(True)
+        for ids in batches:
+            loss_of(w, ids, rows).backward()
+        grads.append(w.grad)
+        outs.append(offload._EmbeddingRows.apply(w, batches[0], 0) if rows else
+                    torch.nn.functional.embedding(batches[0], w, 0))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)  # a lookup: the same values exactly
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
+    assert gathered[:2] == [5, 5]  # the distinct ids of each micro-batch crossed, not the 50 rows
+    frozen = weight.clone()
+    out = offload._EmbeddingRows.apply(frozen, batches[0], None)
+    assert not out.requires_grad and frozen.grad is None
+    torch.testing.assert_close(out, torch.nn.functional.embedding(batches[0], frozen))
+
+
 # ---- optimizers ----------------------------------------------------------------------------------
 
 

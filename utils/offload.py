@@ -7,8 +7,10 @@
   transformers' checkpointed layers, so it works for any model that supports checkpointing.
 - Parameter offload (--param_offload, --offload_policy): the named Linear/Embedding modules'
   weights live in pinned CPU memory; each use copies them to the GPU (a differentiable copy, so
-  their gradients, and the optimizer state built on them, stay on the CPU too). No-grad phases
-  (generation, reference) can keep one GPU copy for the phase (`ParamOffload.resident`).
+  their gradients, and the optimizer state built on them, stay on the CPU too). An input embedding
+  copies only the rows its ids use, and only their gradient comes back (`_EmbeddingRows`; seed 003's
+  layered embedding without its GPU cache of hot rows). No-grad phases (generation) can keep one GPU
+  copy for the phase (`ParamOffload.resident`).
 - Phase swap (--ref_device swap, --reward_device swap): a frozen model's weights live in pinned
   CPU memory and are copied to the GPU whole for its own phase, then dropped (`PhaseSwap`).
   --critic_device swap does the same for PPO's critic, a trained role: after its update the weights
@@ -185,8 +187,14 @@ class ParamOffload:
 
     def _forward_of(self, module):
         if isinstance(module, torch.nn.Embedding):
-            return lambda ids: F.embedding(ids.to(self.device), self.fetch(module.weight), module.padding_idx,
-                                           module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse)
+            def embedding(ids):
+                ids = ids.to(self.device)
+                plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+                if plain and (self.cache is None or torch.is_grad_enabled()):  # only the rows this batch uses travel
+                    return _EmbeddingRows.apply(module.weight, ids, module.padding_idx)
+                return F.embedding(ids, self.fetch(module.weight), module.padding_idx, module.max_norm,
+                                   module.norm_type, module.scale_grad_by_freq, module.sparse)
+            return embedding
         return lambda x: F.linear(x, self.fetch(module.weight), self.fetch(module.bias))
 
     @contextmanager
@@ -201,6 +209,45 @@ class ParamOffload:
     def describe(self) -> str:
         count = sum({id(p): p.numel() for _, m in self.modules for p in m.parameters(recurse=False)}.values())
         return f"{', '.join(n for n, _ in self.modules)} ({count / 1e6:.1f}M parameters) in CPU memory"
+
+
+class _EmbeddingRows(torch.autograd.Function):
+    """An embedding lookup in a weight kept in CPU memory: only the distinct rows `ids` use cross the host
+    link (gathered into a pinned buffer when `ids` is on a GPU), and in backward only their gradient comes
+    back, added into the weight's CPU `.grad` here (index_add_, as F.embedding's backward sums repeated ids;
+    the padding row gets none), so no vocabulary-sized tensor is made on the GPU or per micro-batch on the
+    CPU. The gradient reaches `.grad` directly rather than through autograd (this returns None for the
+    weight), which is why --param_offload is one process only: no hook sees it (DDP would not reduce it).
+    A tied LM head's gradient still arrives through autograd and is summed with it."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx):
+        rows, inverse = torch.unique(ids, return_inverse=True)  # [U], [*ids.shape]: a host sync for U
+        rows_host = rows.to(weight.device)
+        pin = ids.device.type == "cuda" and weight.device.type == "cpu"
+        gathered = torch.empty((rows_host.numel(), weight.shape[1]), dtype=weight.dtype, pin_memory=pin)
+        torch.index_select(weight.detach(), 0, rows_host, out=gathered)  # [U, H]
+        ctx.weight, ctx.padding_idx = weight, padding_idx
+        ctx.save_for_backward(rows_host, inverse)
+        return F.embedding(inverse, gathered.to(ids.device, non_blocking=True))  # [*ids.shape, H]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        rows_host, inverse = ctx.saved_tensors
+        weight = ctx.weight
+        if weight.requires_grad:
+            hidden = grad_output.shape[-1]
+            grad_rows = torch.zeros((rows_host.numel(), hidden), dtype=grad_output.dtype, device=grad_output.device)
+            grad_rows.index_add_(0, inverse.reshape(-1), grad_output.reshape(-1, hidden))  # [U, H]
+            if ctx.padding_idx is not None:
+                grad_rows[rows_host.to(grad_rows.device) == ctx.padding_idx] = 0
+            grad_rows = grad_rows.to(weight.device, weight.dtype)
+            with torch.no_grad():
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+                weight.grad.index_add_(0, rows_host, grad_rows)
+        ctx.weight = None
+        return None, None, None
 
 
 def _report_device(model, device):

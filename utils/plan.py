@@ -19,6 +19,7 @@ were not used (`--measured` prints estimate against measurement for each).
 
 This module imports no runtime code (utils.base and utils.cli only; the scripts' Args to parse flags)."""
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -184,6 +185,12 @@ def generation_copy_shared_bytes(shape, args):
         shared += 0 if (shape.tied or "lm_head" in moved) else shape.embedding_params
         shared += shape.linear_params if (not args.use_lora or args.generation_copy_in_place) else 0
     return 2 * shared
+
+
+def embedding_rows(vocab, tokens):
+    """Distinct rows `tokens` ids touch, expected for ids uniform over the vocabulary (text, whose ids follow
+    Zipf's law, touches fewer): what --param_offload's embedding copies per micro-batch."""
+    return vocab * (1 - math.exp(-tokens / vocab))
 
 
 def in_place_backup_bytes(shape, args):
@@ -591,8 +598,13 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             t += trained * ADAMW_4BIT_S
         if args.param_offload:
             policy = {p.strip() for p in args.offload_policy.split(",")}
-            moved = shape.embedding_params * (("embedding" in policy) + ("lm_head" in policy and not shape.tied))
-            t += 3 * n_mb * moved * trained_bytes / (host * PARAM_OFFLOAD)
+            if ("lm_head" in policy and not shape.tied) or ("embedding" in policy and shape.tied):
+                t += 3 * n_mb * shape.embedding_params * trained_bytes / (host * PARAM_OFFLOAD)  # the whole head
+            if "embedding" in policy:  # the input embedding: only the rows a micro-batch uses, there and back
+                t += 2 * n_mb * embedding_rows(shape.vocab, mb_rows * T) * shape.hidden * trained_bytes / (
+                    host * PARAM_OFFLOAD)
+                unmeasured.append("--param_offload's embedding rows (the distinct ids of a micro-batch; assumed "
+                                  "uniform over the vocabulary, an upper bound for text)")
         if args.empty_cache_between_phases:
             t += EMPTY_CACHE_S
         return t

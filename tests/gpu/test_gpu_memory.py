@@ -95,6 +95,41 @@ def test_param_offload_on_gpu_keeps_weights_grads_and_math_on_cpu(policy, tied):
     assert freed > (0.1 if tied else 0.2)
 
 
+def test_offloaded_embedding_on_gpu_moves_rows_not_the_matrix():
+    """--param_offload's input embedding (utils/offload.py _EmbeddingRows) at Qwen2.5-1.5B's size: a forward and
+    backward of 16 x 768 ids holds the used rows on the GPU, not the 0.47 GB matrix, and gives F.embedding's
+    gradient; prints the time of both."""
+    import time
+    from utils.offload import _EmbeddingRows
+
+    torch.manual_seed(0)
+    weight = torch.randn(151936, 1536, dtype=torch.bfloat16).pin_memory().requires_grad_(True)
+    ids = torch.randint(0, 151936, (16, 768), device="cuda")
+    scale = torch.randn(16, 768, 1536, device="cuda", dtype=torch.bfloat16)
+    times = {}
+    for name in ("whole", "rows", "rows again"):
+        weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base, start = torch.cuda.memory_allocated(), time.perf_counter()
+        if name == "whole":
+            out = torch.nn.functional.embedding(ids, weight.to("cuda", non_blocking=True))
+        else:
+            out = _EmbeddingRows.apply(weight, ids, None)
+        (out * scale).sum().backward()
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / GIB)
+        grads = weight.grad.clone() if name == "whole" else grads
+        if name != "whole":
+            torch.testing.assert_close(weight.grad.float(), grads.float(), rtol=2e-2, atol=2e-2)
+    matrix = weight.numel() * 2 / GIB
+    activations = out.numel() * 2 / GIB
+    print("\noffloaded embedding, 16 x 768 ids: " + ", ".join(f"{n} {t * 1e3:.0f} ms, peak {m:.3f} GiB"
+                                                           for n, (t, m) in times.items()) + f" (matrix {matrix:.3f})")
+    assert times["rows again"][1] < 4 * activations + 0.25 * matrix  # output, its gradient, the rows: no matrix
+    assert times["whole"][1] > matrix
+
+
 def test_chunked_lm_head_bf16_equal_and_smaller():
     model = _llama(vocab=128000, layers=2)
     ids, mask, C = _batch(model.config.vocab_size, B=8, T=1024, C=768)
