@@ -572,3 +572,33 @@ def test_the_time_model_orders_the_measured_7b_80gb_runs_as_they_ran():
     est = {row: estimate_time(shape, script_args("grpo", WORKLOAD_GRPO + r["flags"]))["step"] for row, r in runs.items()}
     measured_order = sorted(runs, key=lambda row: runs[row]["step_time_s"])
     assert len(runs) == 3 and sorted(est, key=est.get) == measured_order, est
+
+
+def test_param_offload_time_charges_the_input_embedding_its_rows_and_a_head_the_whole_matrix():
+    """--param_offload (utils/offload.py): an LM head crosses the host link whole three times a micro-batch, the
+    input embedding only the distinct rows a micro-batch uses, there and back; a tied weight leaves with either name."""
+    from utils.plan import GPUS, PARAM_OFFLOAD, embedding_rows
+
+    host = GPUS["h200"]["host"] * PARAM_OFFLOAD
+
+    def update(name, flags):
+        args = script_args("grpo", WORKLOAD_GRPO + ["--per_device_train_batch_size", "16"] + flags)
+        return estimate_time(load_shape(name), args, "grpo")["phases"]["actor_update"]
+
+    for name in ("qwen2.5-7b", "qwen2.5-1.5b"):
+        shape = load_shape(name)
+        base = update(name, [])
+        args = script_args("grpo", WORKLOAD_GRPO)
+        T, rows = args.max_prompt_length + args.max_completion_length, args.prompts_per_step * args.num_generations
+        n_mb = -(-rows // 16)
+        whole = 3 * n_mb * shape.embedding_params * 4 / host  # float32 weights: the workload's default
+        used = 2 * n_mb * embedding_rows(shape.vocab, 16 * T) * shape.hidden * 4 / host
+        got = {policy: update(name, ["--param_offload", "--offload_policy", policy]) - base
+               for policy in ("embedding", "lm_head", "embedding,lm_head")}
+        if shape.tied:
+            assert got["embedding"] == got["lm_head"] == got["embedding,lm_head"] == pytest.approx(whole + used)
+        else:
+            assert got["embedding"] == pytest.approx(used) and got["lm_head"] == pytest.approx(whole)
+            assert got["embedding,lm_head"] == pytest.approx(whole + used)
+            assert used < whole / 10  # 16 x 768 tokens touch under a tenth of 152k rows
+    assert embedding_rows(1000, 10) == pytest.approx(10, rel=0.01) and embedding_rows(1000, 10**6) == pytest.approx(1000)

@@ -598,9 +598,11 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             t += trained * ADAMW_4BIT_S
         if args.param_offload:
             policy = {p.strip() for p in args.offload_policy.split(",")}
-            if ("lm_head" in policy and not shape.tied) or ("embedding" in policy and shape.tied):
+            named = {"embedding", "lm_head"} & policy if not shape.tied else (
+                {"embedding", "lm_head"} if {"embedding", "lm_head"} & policy else set())  # tied: one leaves, both do
+            if "lm_head" in named:
                 t += 3 * n_mb * shape.embedding_params * trained_bytes / (host * PARAM_OFFLOAD)  # the whole head
-            if "embedding" in policy:  # the input embedding: only the rows a micro-batch uses, there and back
+            if "embedding" in named:  # the input embedding: only the rows a micro-batch uses, there and back
                 t += 2 * n_mb * embedding_rows(shape.vocab, mb_rows * T) * shape.hidden * trained_bytes / (
                     host * PARAM_OFFLOAD)
                 unmeasured.append("--param_offload's embedding rows (the distinct ids of a micro-batch; assumed "
