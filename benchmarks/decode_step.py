@@ -5,6 +5,10 @@
     python benchmarks/decode_step.py --shape tiny --rows 4 --prompt_length 8     # CPU smoke test
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --sdpa
                                                    # attention through SDPA, not the decoding kernel
+    python benchmarks/decode_step.py --backends compiled --dtypes fp32 --short 400 --long 512 --generation_copy
+                                                   # float32 weights decoded from their bf16 copy (the 1.5b 24GB row)
+    python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --attention_splits 1
+                                                   # the decoding-attention kernel unsplit (one program per row and head)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
                                                    # the workload's 768-position cache, and where the time goes
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora,lora --rows 32,64,128
@@ -59,6 +63,15 @@ def main(argv=None):
     parser.add_argument("--sdpa", action="store_true",
                         help="decoding attention through torch's SDPA instead of utils/decode_attention.py's kernel "
                              "(the default on a CUDA GPU), for a side-by-side run")
+    parser.add_argument("--attention_splits", type=int, default=0, metavar="N",
+                        help="at most N splits of the positions in the decoding-attention kernel (1: unsplit, as "
+                             "before 2026-12-05), for a side-by-side run; default: the kernel's own choice")
+    parser.add_argument("--generation_copy", action="store_true",
+                        help="decode from the scripts' --generation_copy (a bf16 copy of fp32/LoRA/QLoRA weights; "
+                             "bf16 weights are shared, not copied), as generate_completions does")
+    parser.add_argument("--unfused", action="store_true",
+                        help="with --generation_copy: the copy's q/k/v and gate/up as separate products (as before "
+                             "2026-12-05), for a side-by-side run")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
@@ -77,9 +90,19 @@ def main(argv=None):
     if cache[0] != cache[1]:
         parser.error(f"--short {args.short} and --long {args.long} give static caches of {cache[0]} and {cache[1]} "
                      f"positions after {args.prompt_length}-token prompts: choose both within one multiple of 128")
+    if args.attention_splits < 0:
+        parser.error(f"--attention_splits {args.attention_splits}: 1 (unsplit) or more, or 0 for the kernel's choice")
     if args.sdpa:
         from utils import decode_attention
         decode_attention.usable = lambda *a: False
+    if args.attention_splits:
+        from utils import decode_attention
+        decode_attention.MAX_SPLITS = args.attention_splits
+    if args.unfused:
+        if not args.generation_copy:
+            parser.error("--unfused: the copy's projections, so with --generation_copy")
+        import utils.generation as generation
+        generation.FUSE_PROJECTIONS = False
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     config = shape_config(args.shape)
@@ -109,7 +132,8 @@ def main(argv=None):
         if dtype != "bf16" and on_gpu:
             model.forward = torch.autocast(device, dtype=torch.bfloat16)(model.forward)  # as accelerate's prepare
         # what one step reads: under autocast the float32 weights; NF4 linears at half a byte (their scales left out)
-        weight_bytes = (shape.linear_params / 2 + (shape.params - shape.linear_params) * 2 if dtype == "qlora"
+        weight_bytes = (shape.params * 2 if args.generation_copy else
+                        shape.linear_params / 2 + (shape.params - shape.linear_params) * 2 if dtype == "qlora"
                         else shape.params * (4 if dtype == "fp32" else 2))
         context = args.prompt_length + (args.short + args.long) / 2
         for rows, backend in [(r, b) for b in args.backends.split(",") for r in row_counts]:
@@ -120,7 +144,8 @@ def main(argv=None):
 
             def rollout(n):  # as the scripts generate; no eos id matches, so every row runs n tokens
                 generation_config = build_generation_config(n, 1.0, 1.0, 0, config.pad_token_id, [10**9])
-                generate_completions(model, ids, mask, generation_config, [10**9], backend=backend)
+                generate_completions(model, ids, mask, generation_config, [10**9], backend=backend,
+                                     from_copy=args.generation_copy)
             first = seconds(lambda: rollout(args.short))
             short, long = seconds(lambda: rollout(args.short)), seconds(lambda: rollout(args.long))
             step_ms = (long - short) / (args.long - args.short) * 1e3
@@ -132,7 +157,10 @@ def main(argv=None):
                 print_profile(lambda: rollout(args.short), lambda: rollout(args.long), args.long - args.short,
                               args.profile, on_gpu)
         model.__dict__.pop("_lean_rl_decoder", None)
-        del model
+        copy = model.__dict__.pop("_lean_rl_generation_copy", None)
+        if copy is not None:
+            copy.__dict__.pop("_lean_rl_decoder", None)
+        del model, copy
         torch._dynamo.reset()
         if on_gpu:
             torch.cuda.empty_cache()

@@ -56,9 +56,12 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     assert data["roofline"]["decode_fraction_of_floor"] > 0
 
 
-def test_decode_step_benchmark_runs_on_the_cpu(capsys):
+def test_decode_step_benchmark_runs_on_the_cpu(capsys, monkeypatch):
     """benchmarks/decode_step.py end to end at the tiny shape (the numbers mean nothing on a CPU)."""
     from benchmarks import decode_step
+    from utils import decode_attention
+
+    monkeypatch.setattr(decode_attention, "MAX_SPLITS", decode_attention.MAX_SPLITS)  # --attention_splits sets it
 
     decode_step.main(["--shape", "tiny", "--rows", "2", "--prompt_length", "4", "--short", "2", "--long", "4",
                       "--backends", "static,hf", "--dtypes", "fp32", "--profile", "3"])
@@ -72,6 +75,13 @@ def test_decode_step_benchmark_runs_on_the_cpu(capsys):
     with pytest.raises(SystemExit):
         decode_step.main(["--shape", "tiny", "--profile", "-1"])
     assert "--profile -1: the number of kernels to print" in capsys.readouterr().err
+    decode_step.main(["--shape", "tiny", "--rows", "2", "--prompt_length", "4", "--short", "2", "--long", "4",
+                      "--backends", "static", "--dtypes", "fp32", "--generation_copy", "--attention_splits", "1"])
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if "ms per step" in line] == ["static"]
+    for bad, message in ((["--unfused"], "with --generation_copy"), (["--attention_splits", "-1"], "1 (unsplit)")):
+        with pytest.raises(SystemExit):
+            decode_step.main(["--shape", "tiny", *bad])
+        assert message in capsys.readouterr().err
 
 
 def test_decode_step_benchmark_decodes_lora_and_qlora_by_rows_on_the_cpu(capsys, tmp_path):

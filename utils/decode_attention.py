@@ -7,17 +7,23 @@ and the empty rest); SDPA with the step's mask reads all of them: at the W-GRPO 
 rollout's mean step needs 512. Here one program per (row, key/value head) takes the query heads that share
 that key/value head as the rows of a small matrix product (grouped-query attention read as it is stored),
 finds the first and last position its mask keeps, and streams only the blocks between them with an online
-softmax in float32 (flash-decoding's arithmetic without its split of the positions: at 64-128 rows and 2-4
-key/value heads there are 128-512 programs, enough to fill the GPU). The probabilities are rounded to the
-values' dtype before their product with the values, as flash attention does: the same numbers as SDPA up to
-bf16 rounding and summation order (tests/gpu checks them against SDPA).
+softmax in float32. Where (rows x key/value heads) programs are too few to keep every multiprocessor reading
+(qwen2.5-1.5b's 2 key/value heads: 256 programs at 128 rows on 132 multiprocessors), the kept positions are
+split into `splits` parts, one program each (flash-decoding's split), whose float32 partial maxima, sums and
+outputs a second kernel combines in a fixed order: deterministic, and the same softmax up to float32
+summation order. The probabilities are rounded to the values' dtype before their product with the values, as
+flash attention does: the same numbers as SDPA up to bf16 rounding and summation order (tests/gpu checks them
+against SDPA, split and unsplit).
 """
 import torch
 
 BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 4, 3  # positions per loop step, and the launch: the fastest of 18 at 7b
 # (H200, 2026-12-02, tests/gpu: 37.9 us a layer against 46.4 with blocks of 64; SDPA 84.5)
+PROGRAMS_PER_SM = 4  # split the positions until (rows x key/value heads x splits) reaches this many per SM
+MAX_SPLITS = 1  # 1: unsplit until measured on a GPU (tests/gpu and benchmarks/decode_step.py --attention_splits 8)
 _READY = []
-LAUNCH = []  # launch(query, key, value, keep, scale, block_n, num_warps, num_stages) once the kernel is defined
+_SMS = []  # the GPU's multiprocessor count, read once
+LAUNCH = []  # launch(query, key, value, keep, scale, block_n, num_warps, num_stages, splits) once the kernel is defined
 
 
 def ready():
@@ -37,14 +43,26 @@ def decode_attention(query, key, value, keep, scale):
     return torch.ops.lean_rl.decode_attention(query, key, value, keep, float(scale))
 
 
+def default_splits(programs, device):
+    """How many parts each (row, key/value head)'s positions are split into: doubled until the programs reach
+    PROGRAMS_PER_SM per multiprocessor, at most MAX_SPLITS (1 where there are that many already)."""
+    if not _SMS:
+        _SMS.append(torch.cuda.get_device_properties(device).multi_processor_count)
+    splits = 1
+    while programs * splits < PROGRAMS_PER_SM * _SMS[0] and splits < MAX_SPLITS:
+        splits *= 2
+    return splits
+
+
 def _define_kernel():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, keep_ptr, o_ptr, L, scale,
+    def kernel(q_ptr, k_ptr, v_ptr, keep_ptr, o_ptr, m_ptr, l_ptr, L, scale,
                sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, skeep_b, skeep_l, so_b, so_h, so_g,
-               G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, L_POW2: tl.constexpr, BLOCK: tl.constexpr):
+               G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, L_POW2: tl.constexpr, BLOCK: tl.constexpr,
+               SPLITS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.arange(0, G_PAD)
@@ -56,10 +74,15 @@ def _define_kernel():
         kept = tl.load(keep_ptr + b * skeep_b + every * skeep_l, mask=every < L, other=0) != 0
         end = tl.max(tl.where(kept, every, -1), axis=0) + 1
         first = tl.min(tl.where(kept, every, L_POW2), axis=0)
+        begin = (first // BLOCK) * BLOCK
+        if SPLITS > 1:  # this program's share of the kept blocks (an empty share leaves m -inf, l 0)
+            per = tl.cdiv(tl.cdiv(tl.maximum(end - begin, 0), BLOCK), SPLITS) * BLOCK
+            begin = begin + tl.program_id(2) * per
+            end = tl.minimum(begin + per, end)
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, D], dtype=tl.float32)
-        for start in range((first // BLOCK) * BLOCK, end, BLOCK):
+        for start in range(begin, end, BLOCK):
             pos = start + n
             inside = pos < end
             keep = (tl.load(keep_ptr + b * skeep_b + pos * skeep_l, mask=inside, other=0) != 0) & inside
@@ -74,21 +97,62 @@ def _define_kernel():
             v = tl.load(v_ptr + b * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=g[:, None] < G)
+        else:  # float32 partials [B, Hkv, SPLITS, G_PAD] (m, l) and [B, Hkv, SPLITS, G_PAD, D] (acc), unnormalised
+            part = (b * tl.num_programs(1) + h) * SPLITS + tl.program_id(2)
+            tl.store(m_ptr + part * G_PAD + g, m_i)
+            tl.store(l_ptr + part * G_PAD + g, l_i)
+            tl.store(o_ptr + (part * G_PAD + g[:, None]) * D + d[None, :], acc)
+
+    @triton.jit
+    def combine(part_ptr, m_ptr, l_ptr, o_ptr, so_b, so_h, so_g,
+                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+        # the splits' partial softmaxes rescaled to their common maximum and added, in split order
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        first = (b * tl.num_programs(1) + h) * SPLITS
+        m_max = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            m_max = tl.maximum(m_max, tl.load(m_ptr + (first + s) * G_PAD + g))
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_sum = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            weight = tl.exp(tl.load(m_ptr + (first + s) * G_PAD + g) - m_safe)  # an empty split: exp(-inf) = 0
+            l_sum += weight * tl.load(l_ptr + (first + s) * G_PAD + g)
+            acc += weight[:, None] * tl.load(part_ptr + ((first + s) * G_PAD + g[:, None]) * D + d[None, :])
+        out = acc / l_sum[:, None]
         tl.store(o_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=g[:, None] < G)
 
-    def launch(query, key, value, keep, scale, block=None, num_warps=None, num_stages=None):
+    def launch(query, key, value, keep, scale, block=None, num_warps=None, num_stages=None, splits=None):
         batch, heads, groups, dim = query.shape
         length = key.shape[2]
+        block = block or BLOCK_N
+        splits = min(splits or default_splits(batch * heads, query.device), max(1, length // block))
+        g_pad = max(16, triton.next_power_of_2(groups))
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        kernel[(batch, heads)](
-            query, key, value, keep, out, length, scale,
+        if splits > 1:
+            partial = torch.empty((batch, heads, splits, g_pad, dim), dtype=torch.float32, device=query.device)
+            maxima = torch.empty((batch, heads, splits, g_pad), dtype=torch.float32, device=query.device)
+            sums = torch.empty_like(maxima)
+        else:
+            partial, maxima, sums = out, out, out  # unused
+        kernel[(batch, heads, splits)](
+            query, key, value, keep, partial, maxima, sums, length, scale,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), keep.stride(0), keep.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            G=groups, G_PAD=max(16, triton.next_power_of_2(groups)), D=dim, L_POW2=triton.next_power_of_2(length),
-            BLOCK=block or BLOCK_N, num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
+            G=groups, G_PAD=g_pad, D=dim, L_POW2=triton.next_power_of_2(length), BLOCK=block, SPLITS=splits,
+            num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
+        if splits > 1:
+            combine[(batch, heads)](partial, maxima, sums, out, out.stride(0), out.stride(1), out.stride(2),
+                                    G=groups, G_PAD=g_pad, D=dim, SPLITS=splits, num_warps=4)
         return out
 
     LAUNCH.append(launch)

@@ -515,7 +515,10 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
     weights are shared too, so the copy holds no weight of its own (7b: 15.2 GB less than a bf16 copy). Each
     refresh writes W + delta into the base's own storage (the bf16 copy's numerics exactly) after keeping the
     exact base once in CPU memory (pinned on a GPU: 13 GiB at 7b); restore_merged_base puts it back, bit for
-    bit, after the rollout (generate_completions does, also when the rollout fails)."""
+    bit, after the rollout (generate_completions does, also when the rollout fails).
+
+    Projections of one input that the copy holds in its own storage (q/k/v, gate/up) become one product
+    (_fuse_projections): one matrix product per group and decoding step instead of three or two small ones."""
     from copy import deepcopy
 
     from transformers import AutoModelForCausalLM
@@ -545,6 +548,8 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
         elif in_place:  # every tensor the policy's where it can be; anything else made on the device
             _materialise(copy, sources, device, in_place=True)
         _share_policy_tensors(copy, sources, device, in_place)
+        if dtype == "bfloat16" and FUSE_PROJECTIONS:
+            _fuse_projections(copy)
         copy.eval().requires_grad_(False)
         policy.__dict__["_lean_rl_generation_copy"] = copy  # not a submodule: outside state_dict and optimizer
 
@@ -627,6 +632,79 @@ def _share_policy_tensors(copy, sources, device, in_place=False):
             if tensor is not None:
                 module._parameters[pname] = torch.nn.Parameter(tensor.detach(), requires_grad=False)
                 module._lean_rl_shared = getattr(module, "_lean_rl_shared", ()) + (pname,)
+
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama, Qwen2, Mistral names
+FUSE_PROJECTIONS = True  # benchmarks/decode_step.py --unfused turns it off for a side-by-side run
+
+
+class _Stash:
+    """A fused group's input and product, from its first projection's call to its last one's."""
+    input = output = None
+
+
+class _GroupFirst(torch.nn.Linear):
+    """The first projection of a fused group: the product of the input with the whole group's weight (its rows
+    are the group's weights one after the other: each projection's weight is a view of it), kept for the others;
+    returns its own columns."""
+
+    def forward(self, x):
+        out = torch.nn.functional.linear(x, self._lean_rl_group_weight, self._lean_rl_group_bias)
+        self._lean_rl_stash.input, self._lean_rl_stash.output = x, out
+        return out[..., :self.out_features]
+
+
+class _GroupNext(torch.nn.Linear):
+    """A later projection of a fused group: its columns of the first projection's product of the same input."""
+
+    def forward(self, x):
+        stash = self._lean_rl_stash
+        if stash.input is not x:
+            raise RuntimeError("a fused projection of the generation copy was called before its group's first "
+                               f"({type(self).__name__} on another input): this model calls its projections in "
+                               "another order; please report it (the copy's FUSED_GROUPS assume q, k, v and gate, up)")
+        out = stash.output[..., self._lean_rl_start:self._lean_rl_start + self.out_features]
+        if self._lean_rl_last:
+            stash.input = stash.output = None
+        return out
+
+
+def _fuse_projections(copy):
+    """Each FUSED_GROUPS group of a module of the copy (plain bf16 Linears of one input size, each holding
+    storage of the copy's own, none the policy's) -> one [sum of outputs, input] weight whose row blocks are
+    the projections' weights (views: generation_copy's refresh writes each as before) and one product per call:
+    decoding at 128 rows, q/k/v were three small products per layer (0.45 ms of a 1.5b step's 3.07 ms of
+    kernels on an H200, 2026-12-03) and gate/up two. The same products, column for column (up to the matrix
+    kernel's summation order). A group is made one module at a time, so building it holds one group twice."""
+    for module in copy.modules():
+        for names in FUSED_GROUPS:
+            group = [getattr(module, name, None) for name in names]
+            if not all(type(p) is torch.nn.Linear for p in group):
+                continue
+            if any(getattr(p, "_lean_rl_shared", ()) for p in group):
+                continue  # the policy's own storage: a fused copy would cost memory
+            has_bias = group[0].bias is not None
+            if (len({p.in_features for p in group}) != 1 or any((p.bias is not None) != has_bias for p in group)
+                    or len({(p.weight.dtype, p.weight.device) for p in group}) != 1):
+                continue
+            weight = torch.cat([p.weight.detach() for p in group])  # [sum of outputs, in]
+            bias = torch.cat([p.bias.detach() for p in group]) if has_bias else None
+            stash, start = _Stash(), 0
+            for i, p in enumerate(group):
+                end = start + p.out_features
+                p.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+                if has_bias:
+                    p.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+                p._lean_rl_stash = stash
+                if i == 0:
+                    p.__class__ = _GroupFirst
+                    # plain attributes, outside parameters and buffers (the copy's refresh and state_dict see
+                    # each projection's own view only)
+                    p.__dict__["_lean_rl_group_weight"], p.__dict__["_lean_rl_group_bias"] = weight, bias
+                else:
+                    p.__class__ = _GroupNext
+                    p._lean_rl_start, p._lean_rl_last = start, i == len(group) - 1
+                start = end
 
 
 def _materialise_int8(copy, sources, device):
