@@ -239,9 +239,9 @@ class _EmbeddingRows(torch.autograd.Function):
             hidden = grad_output.shape[-1]
             grad_rows = torch.zeros((rows_host.numel(), hidden), dtype=grad_output.dtype, device=grad_output.device)
             grad_rows.index_add_(0, inverse.reshape(-1), grad_output.reshape(-1, hidden))  # [U, H]
-            if ctx.padding_idx is not None:
-                grad_rows[rows_host.to(grad_rows.device) == ctx.padding_idx] = 0
             grad_rows = grad_rows.to(weight.device, weight.dtype)
+            if ctx.padding_idx is not None:  # zeroed on the host, where the row ids are: no copy of them to the GPU
+                grad_rows[rows_host == ctx.padding_idx] = 0
             with torch.no_grad():
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
