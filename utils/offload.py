@@ -187,9 +187,11 @@ class ParamOffload:
 
     def _forward_of(self, module):
         if isinstance(module, torch.nn.Embedding):
+            # a plain lookup can take the row path (_EmbeddingRows): decided once, when the forward is installed
+            plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+
             def embedding(ids):
                 ids = ids.to(self.device)
-                plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
                 if plain and (self.cache is None or torch.is_grad_enabled()):  # only the rows this batch uses travel
                     return _EmbeddingRows.apply(module.weight, ids, module.padding_idx)
                 return F.embedding(ids, self.fetch(module.weight), module.padding_idx, module.max_norm,
