@@ -598,8 +598,9 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             t += trained * ADAMW_4BIT_S
         if args.param_offload:
             policy = {p.strip() for p in args.offload_policy.split(",")}
-            named = {"embedding", "lm_head"} & policy if not shape.tied else (
-                {"embedding", "lm_head"} if {"embedding", "lm_head"} & policy else set())  # tied: one leaves, both do
+            named = {"embedding", "lm_head"} & policy
+            if shape.tied and named:  # one weight for both modules: naming either moves it, both use it from the CPU
+                named = {"embedding", "lm_head"}
             if "lm_head" in named:
                 t += 3 * n_mb * shape.embedding_params * trained_bytes / (host * PARAM_OFFLOAD)  # the whole head
             if "embedding" in named:  # the input embedding: only the rows a micro-batch uses, there and back
