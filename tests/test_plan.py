@@ -574,6 +574,22 @@ def test_the_time_model_orders_the_measured_7b_80gb_runs_as_they_ran():
     assert len(runs) == 3 and sorted(est, key=est.get) == measured_order, est
 
 
+def test_param_offload_memory_of_a_critic_is_its_embedding_only():
+    """PPO's critic has no LM head (train_ppo.py offloads it with strict=False: lm_head names nothing there), so
+    --param_offload takes its embedding when `embedding` is named and nothing for `lm_head` alone."""
+    for name in ("qwen2.5-7b", "qwen2.5-1.5b"):  # untied and tied
+        shape = load_shape(name)
+
+        def critic(flags):
+            return estimate(shape, script_args("ppo", WORKLOAD_PPO + flags), "ppo")["components"]["critic/weights"]
+
+        none = critic([])
+        got = {policy: none - critic(["--param_offload", "--offload_policy", policy])
+               for policy in ("embedding", "lm_head", "embedding,lm_head")}
+        embedding = shape.embedding_params * 4  # float32 weights: the workload's default
+        assert got == {"embedding": embedding, "lm_head": 0, "embedding,lm_head": embedding}, name
+
+
 def test_param_offload_time_charges_the_input_embedding_its_rows_and_a_head_the_whole_matrix():
     """--param_offload (utils/offload.py): an LM head crosses the host link whole three times a micro-batch, the
     input embedding only the distinct rows a micro-batch uses, there and back; a tied weight leaves with either name."""

@@ -249,16 +249,18 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     mixed = args.mixed_precision != "no"  # auto is bf16 on a GPU
     train_bytes, quant = _storage_bytes(args)  # bytes per trained weight, per quantised weight (or None)
     roles = ["actor"] + (["critic"] if algo == "ppo" else [])
-    offloaded = 0
+    offloaded = critic_offloaded = 0  # parameters in CPU memory (--param_offload)
     if args.param_offload:
         policy = {p.strip() for p in args.offload_policy.split(",")}
         offloaded = shape.embedding_params * (("embedding" in policy) + ("lm_head" in policy and not shape.tied))
+        # a critic has no LM head (lm_head matches nothing in it, utils/offload.py strict=False): its embedding only
+        critic_offloaded = shape.embedding_params if "embedding" in policy else 0
     comp = {}
     for role in roles:
         head = shape.embedding_params if role == "actor" and not shape.tied else shape.hidden  # value head
         role_params = shape.params - (0 if role == "actor" else (0 if shape.tied else shape.embedding_params)) + (
             0 if role == "actor" else head)
-        on_gpu = role_params - (offloaded if role == "actor" else min(offloaded, shape.embedding_params))
+        on_gpu = role_params - (offloaded if role == "actor" else critic_offloaded)
         if args.use_lora:
             base_bytes = quant if quant else train_bytes
             rest = on_gpu - shape.linear_params
