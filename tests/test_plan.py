@@ -590,6 +590,36 @@ def test_param_offload_memory_of_a_critic_is_its_embedding_only():
         assert got == {"embedding": embedding, "lm_head": 0, "embedding,lm_head": embedding}, name
 
 
+def test_param_offload_memory_of_a_tied_weight_named_either_way_is_one_matrix_off_the_gpu():
+    """--param_offload with tied weights (Qwen2.5-1.5B): one matrix for both modules, so naming either moves it
+    (utils/offload.py moves every module that uses a moved weight) and the estimate is the same for the three
+    policies: the weights, the generation copy's shared tensors, the 4-bit step's largest parameter. Untied (7b):
+    each name moves its own matrix."""
+    def est(name, flags, policy=None):
+        offload = ["--param_offload", "--offload_policy", policy] if policy else []
+        return estimate(load_shape(name), script_args("grpo", WORKLOAD_GRPO + flags + offload), "grpo")
+
+    policies = ("embedding", "lm_head", "embedding,lm_head")
+    shape = load_shape("qwen2.5-1.5b")
+    assert shape.tied
+    bf16_copy = ["--torch_dtype", "bfloat16", "--generation_copy", "--optim", "adamw_4bit"]
+    for flags, weight_bytes in (([], 4), (bf16_copy, 2)):  # float32 weights: the workload's default
+        none, got = est("qwen2.5-1.5b", flags), {policy: est("qwen2.5-1.5b", flags, policy) for policy in policies}
+        assert got["lm_head"]["components"] == got["embedding"]["components"] == got["embedding,lm_head"]["components"]
+        assert got["lm_head"]["peak_reserved"] == got["embedding"]["peak_reserved"] == got["embedding,lm_head"][
+            "peak_reserved"] < none["peak_reserved"]
+        assert got["lm_head"]["host_bytes"] == got["embedding"]["host_bytes"] > none["host_bytes"]
+        moved = none["components"]["actor/weights"] - got["lm_head"]["components"]["actor/weights"]
+        assert moved == shape.embedding_params * weight_bytes, flags
+
+    shape = load_shape("qwen2.5-7b")
+    assert not shape.tied
+    weights = {policy: est("qwen2.5-7b", [], policy)["components"]["actor/weights"] for policy in (None,) + policies}
+    matrix = shape.embedding_params * 4  # float32 weights: the workload's default
+    assert weights[None] - weights["embedding"] == weights[None] - weights["lm_head"] == matrix
+    assert weights[None] - weights["embedding,lm_head"] == 2 * matrix
+
+
 def test_param_offload_time_charges_the_input_embedding_its_rows_and_a_head_the_whole_matrix():
     """--param_offload (utils/offload.py): an LM head crosses the host link whole three times a micro-batch, the
     input embedding only the distinct rows a micro-batch uses, there and back; a tied weight leaves with either name."""

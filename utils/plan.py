@@ -169,6 +169,14 @@ def generation_copy_bytes(shape, dtype="bfloat16"):
     return shape.linear_params + shape.embedding_params + 2 * bf16_part
 
 
+def _offloaded_embeddings(shape, policy: str) -> set:
+    """--param_offload --offload_policy `policy` -> which of the modules {"embedding", "lm_head"} have their weight
+    in CPU memory: each one named; with tied weights (one matrix for both) naming either moves both, as
+    utils/offload.py moves every module that uses a moved weight."""
+    named = {p.strip() for p in policy.split(",")} & {"embedding", "lm_head"}
+    return {"embedding", "lm_head"} if (shape.tied and named) else named
+
+
 def generation_copy_shared_bytes(shape, args):
     """Bytes of --generation_copy that are the policy's own tensors, not copies (utils/generation.py holds the
     tensor of a module without an adapter that the policy keeps in bf16 on the GPU): the norms and the
@@ -178,7 +186,7 @@ def generation_copy_shared_bytes(shape, args):
     train_bytes, quant = _storage_bytes(args)
     if not args.generation_copy or (2 if (args.use_lora and quant) else train_bytes) != 2:
         return 0
-    moved = {p.strip() for p in args.offload_policy.split(",")} if args.param_offload else set()
+    moved = _offloaded_embeddings(shape, args.offload_policy) if args.param_offload else set()
     norms = shape.params - shape.linear_params - shape.embedding_params * (1 if shape.tied else 2)
     shared = norms + (0 if "embedding" in moved else shape.embedding_params)
     if args.generation_copy_dtype == "bfloat16":
@@ -252,7 +260,8 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     offloaded = critic_offloaded = 0  # parameters in CPU memory (--param_offload)
     if args.param_offload:
         policy = {p.strip() for p in args.offload_policy.split(",")}
-        offloaded = shape.embedding_params * (("embedding" in policy) + ("lm_head" in policy and not shape.tied))
+        moved = _offloaded_embeddings(shape, args.offload_policy)
+        offloaded = shape.embedding_params * (1 if shape.tied and moved else len(moved))  # tied: one matrix
         # a critic has no LM head (lm_head matches nothing in it, utils/offload.py strict=False): its embedding only
         critic_offloaded = shape.embedding_params if "embedding" in policy else 0
     comp = {}
@@ -599,10 +608,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         if args.optim == "adamw_4bit":
             t += trained * ADAMW_4BIT_S
         if args.param_offload:
-            policy = {p.strip() for p in args.offload_policy.split(",")}
-            named = {"embedding", "lm_head"} & policy
-            if shape.tied and named:  # one weight for both modules: naming either moves it, both use it from the CPU
-                named = {"embedding", "lm_head"}
+            named = _offloaded_embeddings(shape, args.offload_policy)  # tied: either name moves both
             if "lm_head" in named:
                 t += 3 * n_mb * shape.embedding_params * trained_bytes / (host * PARAM_OFFLOAD)  # the whole head
             if "embedding" in named:  # the input embedding: only the rows a micro-batch uses, there and back
