@@ -530,6 +530,32 @@ def test_generation_copy_fuses_the_projections_of_one_input_into_one_product(mon
     bf16, *_ = _model_and_prompts()
     shared = generation_copy(bf16.to(torch.bfloat16))  # every tensor the policy's own
     assert not any(type(m).__name__.startswith("_Group") for m in shared.modules())
+    # LoRA on every Linear of a bf16 base with q/k/v biases (Qwen2's): the merged weights are the copy's own, so
+    # the groups fuse; the frozen biases, the base's own tensors before, become rows of the fused bias
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils.modeling import apply_lora
+
+    config = LlamaConfig(**{**bf16.config.to_dict(), "attention_bias": True})
+    torch.manual_seed(2)
+    base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    policy = apply_lora(base, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    copy = generation_copy(policy)
+    with monkeypatch.context() as patch:
+        patch.setattr(generation, "FUSE_PROJECTIONS", False)
+        policy.__dict__.pop("_lean_rl_generation_copy")
+        plain = generation_copy(policy)
+    q = copy.model.layers[0].self_attn.q_proj
+    assert type(q).__name__ == "_GroupFirst" and q.bias.data_ptr() != base.model.layers[0].self_attn.q_proj.bias.data_ptr()
+    for (name, a), (_, b) in zip(copy.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), name
+    torch.manual_seed(1)
+    ours = static_cache_generate(copy, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad)
+    torch.manual_seed(1)
+    assert torch.equal(ours, static_cache_generate(plain, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad))
 
 
 def test_generation_copy_merges_lora_as_merge_and_unload_does():

@@ -681,7 +681,7 @@ def _fuse_projections(copy):
             group = [getattr(module, name, None) for name in names]
             if not all(type(p) is torch.nn.Linear for p in group):
                 continue
-            if any(getattr(p, "_lean_rl_shared", ()) for p in group):
+            if any("weight" in getattr(p, "_lean_rl_shared", ()) for p in group):
                 continue  # the policy's own storage: a fused copy would cost memory
             has_bias = group[0].bias is not None
             if (len({p.in_features for p in group}) != 1 or any((p.bias is not None) != has_bias for p in group)
@@ -691,6 +691,10 @@ def _fuse_projections(copy):
             bias = torch.cat([p.bias.detach() for p in group]) if has_bias else None
             stash, start = _Stash(), 0
             for i, p in enumerate(group):
+                # a bias that was the policy's (LoRA on a bf16 base adapts the weight only) becomes the copy's own
+                # rows of the fused bias, written at each refresh like the weight
+                if "bias" in getattr(p, "_lean_rl_shared", ()):
+                    p._lean_rl_shared = tuple(n for n in p._lean_rl_shared if n != "bias")
                 end = start + p.out_features
                 p.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
                 if has_bias:
