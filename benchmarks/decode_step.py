@@ -6,7 +6,8 @@
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --sdpa
                                                    # attention through SDPA, not the decoding kernel
     python benchmarks/decode_step.py --backends compiled --dtypes fp32 --short 400 --long 512 --generation_copy
-                                                   # float32 weights decoded from their bf16 copy (the 1.5b 24GB row)
+                                                   # float32 weights decoded from their bf16 copy (the 1.5b 24GB row);
+                                                   # then with --fused_projections (q/k/v, gate/up one product each)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --attention_splits 1
                                                    # the decoding-attention kernel unsplit (one program per row and head)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
@@ -69,9 +70,10 @@ def main(argv=None):
     parser.add_argument("--generation_copy", action="store_true",
                         help="decode from the scripts' --generation_copy (a bf16 copy of fp32/LoRA/QLoRA weights; "
                              "bf16 weights are shared, not copied), as generate_completions does")
-    parser.add_argument("--unfused", action="store_true",
-                        help="with --generation_copy: the copy's q/k/v and gate/up as separate products (as before "
-                             "2026-12-05), for a side-by-side run")
+    parser.add_argument("--fused_projections", action="store_true",
+                        help="with --generation_copy: the copy's q/k/v and gate/up fused into one product per group "
+                             "(utils/generation.py FUSE_PROJECTIONS, off by default until measured), for a "
+                             "side-by-side run")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
@@ -98,11 +100,11 @@ def main(argv=None):
     if args.attention_splits:
         from utils import decode_attention
         decode_attention.MAX_SPLITS = args.attention_splits
-    if args.unfused:
+    if args.fused_projections:
         if not args.generation_copy:
-            parser.error("--unfused: the copy's projections, so with --generation_copy")
+            parser.error("--fused_projections: the copy's projections, so with --generation_copy")
         import utils.generation as generation
-        generation.FUSE_PROJECTIONS = False
+        generation.FUSE_PROJECTIONS = True
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     config = shape_config(args.shape)

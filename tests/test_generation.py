@@ -471,11 +471,13 @@ def test_generation_copy_fuses_the_projections_of_one_input_into_one_product(mon
     import utils.generation as generation
     from utils.generation import generation_copy
 
+    assert not generation.FUSE_PROJECTIONS  # off by default until measured on a GPU
+    monkeypatch.setattr(generation, "FUSE_PROJECTIONS", True)
     model, tokenizer, ids, mask = _model_and_prompts()
     pad = tokenizer.pad_token_id
     copy = generation_copy(model)
     with monkeypatch.context() as patch:
-        patch.setattr(generation, "_fuse_projections", lambda c: None)
+        patch.setattr(generation, "FUSE_PROJECTIONS", False)
         model.__dict__.pop("_lean_rl_generation_copy")
         plain = generation_copy(model)
     model.__dict__["_lean_rl_generation_copy"] = copy
@@ -509,7 +511,7 @@ def test_generation_copy_fuses_the_projections_of_one_input_into_one_product(mon
             p.mul_(1.5)
     assert generation_copy(model) is copy
     with monkeypatch.context() as patch:
-        patch.setattr(generation, "_fuse_projections", lambda c: None)
+        patch.setattr(generation, "FUSE_PROJECTIONS", False)
         model.__dict__.pop("_lean_rl_generation_copy")
         plain = generation_copy(model)  # a new unfused copy of the updated weights
     for (name, a), (_, b) in zip(copy.state_dict().items(), plain.state_dict().items()):

@@ -517,8 +517,9 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
     exact base once in CPU memory (pinned on a GPU: 13 GiB at 7b); restore_merged_base puts it back, bit for
     bit, after the rollout (generate_completions does, also when the rollout fails).
 
-    Projections of one input that the copy holds in its own storage (q/k/v, gate/up) become one product
-    (_fuse_projections): one matrix product per group and decoding step instead of three or two small ones."""
+    With FUSE_PROJECTIONS (off until measured on a GPU), projections of one input that the copy holds in its own
+    storage (q/k/v, gate/up) become one product (_fuse_projections): one matrix product per group and decoding
+    step instead of three or two small ones."""
     from copy import deepcopy
 
     from transformers import AutoModelForCausalLM
@@ -635,7 +636,7 @@ def _share_policy_tensors(copy, sources, device, in_place=False):
 
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama, Qwen2, Mistral names
-FUSE_PROJECTIONS = True  # benchmarks/decode_step.py --unfused turns it off for a side-by-side run
+FUSE_PROJECTIONS = False  # off until measured on a GPU (tests/gpu, benchmarks/decode_step.py --fused_projections)
 
 
 class _Stash:
