@@ -512,6 +512,16 @@ def test_decode_attention_matches_sdpa_reads_only_kept_positions_and_prints_its_
     print("  " + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(times.items())))
 
 
+def _greedy_gaps(referee, ids, mask, tokens):
+    """Per generated token of a greedy rollout: the referee's (a full forward over prompt + completion, no cache)
+    largest logit minus the chosen token's; 0 where the rollout chose the referee's argmax."""
+    with torch.no_grad():
+        logits = referee(input_ids=torch.cat([ids, tokens], dim=1),
+                         attention_mask=torch.cat([mask, torch.ones_like(tokens)], dim=1)).logits
+    logits = logits[:, ids.shape[1] - 1:-1].float()
+    return logits.max(-1).values - logits.gather(-1, tokens[..., None]).squeeze(-1)
+
+
 @pytest.mark.parametrize("step_mode", ["eager", "cudagraph", "compiled"])
 def test_decode_attention_in_the_decoding_step_keeps_the_greedy_tokens_on_gpu(step_mode, monkeypatch):
     """A bf16 model's greedy rollout through the kernel (it is called; compiled: no fallback to the uncompiled
@@ -538,14 +548,7 @@ def test_decode_attention_in_the_decoding_step_keeps_the_greedy_tokens_on_gpu(st
     monkeypatch.setattr(decode_attention, "usable", lambda *a: False)
     sdpa = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode, greedy=True)
 
-    def gaps(tokens):  # the referee's largest logit minus the chosen token's, per generated token
-        full = torch.cat([ids, tokens], dim=1)
-        with torch.no_grad():
-            logits = model(input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(tokens)], dim=1)).logits
-        logits = logits[:, ids.shape[1] - 1:-1].float()
-        return logits.max(-1).values - logits.gather(-1, tokens[..., None]).squeeze(-1)
-
-    ours_gap, sdpa_gap = gaps(ours), gaps(sdpa)
+    ours_gap, sdpa_gap = (_greedy_gaps(model, ids, mask, tokens) for tokens in (ours, sdpa))
     print(f"\n{step_mode}: {(ours == sdpa).float().mean():.1%} of greedy tokens equal SDPA's; the referee's logit gap "
           f"mean/max: kernel {ours_gap.mean():.4f}/{ours_gap.max():.3f}, SDPA {sdpa_gap.mean():.4f}/{sdpa_gap.max():.3f}")
     assert torch.equal(ours[:, 0], sdpa[:, 0])
@@ -580,14 +583,7 @@ def test_fused_projections_of_the_generation_copy_on_gpu(step_mode, monkeypatch)
     assert not [w for w in caught if "torch.compile failed" in str(w.message)]
     theirs = static_cache_generate(plain, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode, greedy=True)
 
-    def gaps(tokens):  # the referee's largest logit minus the chosen token's
-        with torch.no_grad():
-            logits = plain(input_ids=torch.cat([ids, tokens], 1),
-                           attention_mask=torch.cat([mask, torch.ones_like(tokens)], 1)).logits
-        logits = logits[:, ids.shape[1] - 1:-1].float()
-        return logits.max(-1).values - logits.gather(-1, tokens[..., None]).squeeze(-1)
-
-    ours_gap, theirs_gap = gaps(ours), gaps(theirs)
+    ours_gap, theirs_gap = (_greedy_gaps(plain, ids, mask, tokens) for tokens in (ours, theirs))
     print(f"{step_mode}: {(ours == theirs).float().mean():.1%} of greedy tokens equal the unfused copy's; referee gap "
           f"mean/max fused {ours_gap.mean():.4f}/{ours_gap.max():.3f}, unfused {theirs_gap.mean():.4f}/{theirs_gap.max():.3f}")
     assert torch.equal(ours[:, 0], theirs[:, 0])
