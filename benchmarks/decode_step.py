@@ -94,11 +94,10 @@ def main(argv=None):
                      f"positions after {args.prompt_length}-token prompts: choose both within one multiple of 128")
     if args.attention_splits < 0:
         parser.error(f"--attention_splits {args.attention_splits}: 1 (unsplit) or more, or 0 for the kernel's choice")
+    from utils import decode_attention
     if args.sdpa:
-        from utils import decode_attention
         decode_attention.usable = lambda *a: False
     if args.attention_splits:
-        from utils import decode_attention
         decode_attention.MAX_SPLITS = args.attention_splits
     if args.fused_projections:
         if not args.generation_copy:
