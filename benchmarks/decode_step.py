@@ -7,7 +7,7 @@
                                                    # attention through SDPA, not the decoding kernel
     python benchmarks/decode_step.py --backends compiled --dtypes fp32 --short 400 --long 512 --generation_copy
                                                    # float32 weights decoded from their bf16 copy (the 1.5b 24GB row);
-                                                   # then with --fused_projections (q/k/v, gate/up one product each)
+                                                   # then with --unfused_projections (q/k/v, gate/up as 5 products)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --attention_splits 1
                                                    # the decoding-attention kernel unsplit (one program per row and head)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
@@ -70,10 +70,10 @@ def main(argv=None):
     parser.add_argument("--generation_copy", action="store_true",
                         help="decode from the scripts' --generation_copy (a bf16 copy of fp32/LoRA/QLoRA weights; "
                              "bf16 weights are shared, not copied), as generate_completions does")
-    parser.add_argument("--fused_projections", action="store_true",
-                        help="with --generation_copy: the copy's q/k/v and gate/up fused into one product per group "
-                             "(utils/generation.py FUSE_PROJECTIONS, off by default until measured), for a "
-                             "side-by-side run")
+    parser.add_argument("--unfused_projections", action="store_true",
+                        help="with --generation_copy: the copy's q/k/v and gate/up as one product each, not fused "
+                             "into one per group (utils/generation.py FUSE_PROJECTIONS, on by default since "
+                             "2026-12-05), for a side-by-side run")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
@@ -99,11 +99,11 @@ def main(argv=None):
         decode_attention.usable = lambda *a: False
     if args.attention_splits:
         decode_attention.MAX_SPLITS = args.attention_splits
-    if args.fused_projections:
+    if args.unfused_projections:
         if not args.generation_copy:
-            parser.error("--fused_projections: the copy's projections, so with --generation_copy")
+            parser.error("--unfused_projections: the copy's projections, so with --generation_copy")
         import utils.generation as generation
-        generation.FUSE_PROJECTIONS = True
+        generation.FUSE_PROJECTIONS = False
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     config = shape_config(args.shape)

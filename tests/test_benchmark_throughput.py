@@ -78,7 +78,7 @@ def test_decode_step_benchmark_runs_on_the_cpu(capsys, monkeypatch):
     decode_step.main(["--shape", "tiny", "--rows", "2", "--prompt_length", "4", "--short", "2", "--long", "4",
                       "--backends", "static", "--dtypes", "fp32", "--generation_copy", "--attention_splits", "1"])
     assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if "ms per step" in line] == ["static"]
-    for bad, message in ((["--fused_projections"], "with --generation_copy"),
+    for bad, message in ((["--unfused_projections"], "with --generation_copy"),
                          (["--attention_splits", "-1"], "1 (unsplit)")):
         with pytest.raises(SystemExit):
             decode_step.main(["--shape", "tiny", *bad])

@@ -471,8 +471,7 @@ def test_generation_copy_fuses_the_projections_of_one_input_into_one_product(mon
     import utils.generation as generation
     from utils.generation import generation_copy
 
-    assert not generation.FUSE_PROJECTIONS  # off by default until measured on a GPU
-    monkeypatch.setattr(generation, "FUSE_PROJECTIONS", True)
+    assert generation.FUSE_PROJECTIONS  # on by default since measured on a GPU
     model, tokenizer, ids, mask = _model_and_prompts()
     pad = tokenizer.pad_token_id
     copy = generation_copy(model)
@@ -506,6 +505,17 @@ def test_generation_copy_fuses_the_projections_of_one_input_into_one_product(mon
             m(ids, attention_mask=mask)
         counts.append(Products.count)
     assert counts == [2 * 4 + 1, 2 * 7 + 1]
+    # an input of more than FUSE_MAX_TOKENS tokens (a prefill) takes each projection's own product: the fused one
+    # would hold gate's and up's outputs as one tensor until both are used
+    with monkeypatch.context() as patch:
+        patch.setattr(generation, "FUSE_MAX_TOKENS", ids.numel() - 1)
+        Products.count = 0
+        with torch.no_grad(), Products():
+            long_logits = copy(ids, attention_mask=mask).logits
+        assert Products.count == 2 * 7 + 1
+        assert q._lean_rl_stash.input is None and mlp.gate_proj._lean_rl_stash.input is None
+        with torch.no_grad():
+            assert torch.equal(long_logits, plain(ids, attention_mask=mask).logits)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)

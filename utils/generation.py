@@ -517,7 +517,7 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
     exact base once in CPU memory (pinned on a GPU: 13 GiB at 7b); restore_merged_base puts it back, bit for
     bit, after the rollout (generate_completions does, also when the rollout fails).
 
-    With FUSE_PROJECTIONS (off until measured on a GPU), projections of one input that the copy holds in its own
+    With FUSE_PROJECTIONS (the default), projections of one input that the copy holds in its own
     storage (q/k/v, gate/up) become one product (_fuse_projections): one matrix product per group and decoding
     step instead of three or two small ones."""
     from copy import deepcopy
@@ -636,7 +636,11 @@ def _share_policy_tensors(copy, sources, device, in_place=False):
 
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama, Qwen2, Mistral names
-FUSE_PROJECTIONS = False  # off until measured on a GPU (tests/gpu, benchmarks/decode_step.py --fused_projections)
+FUSE_PROJECTIONS = True  # H100, 1.5b fp32 copy, 128 rows: 3.84 -> 3.48 ms per decoding step (benchmarks/decode_step.py)
+# inputs of more tokens than this (a prefill) take each projection's own product: the fused product of a 128 x 256
+# prefill held gate's and up's outputs as one tensor until both were used, 0.55 GiB more at 1.5b (H100, the budget
+# row's generate phase: 13.85 -> 14.40 GiB allocated); decoding steps (one token a row) are where fusing pays
+FUSE_MAX_TOKENS = 1024
 
 
 class _Stash:
@@ -650,6 +654,8 @@ class _GroupFirst(torch.nn.Linear):
     returns its own columns."""
 
     def forward(self, x):
+        if x.numel() > FUSE_MAX_TOKENS * self.in_features:  # a prefill: its own product, as unfused
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         out = torch.nn.functional.linear(x, self._lean_rl_group_weight, self._lean_rl_group_bias)
         self._lean_rl_stash.input, self._lean_rl_stash.output = x, out
         return out[..., :self.out_features]
@@ -660,6 +666,8 @@ class _GroupNext(torch.nn.Linear):
 
     def forward(self, x):
         stash = self._lean_rl_stash
+        if stash.input is None and x.numel() > FUSE_MAX_TOKENS * self.in_features:  # a prefill, as the first
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         if stash.input is not x:
             raise RuntimeError("a fused projection of the generation copy was called before its group's first "
                                f"({type(self).__name__} on another input): this model calls its projections in "
@@ -676,7 +684,8 @@ def _fuse_projections(copy):
     the projections' weights (views: generation_copy's refresh writes each as before) and one product per call:
     decoding at 128 rows, q/k/v were three small products per layer (0.45 ms of a 1.5b step's 3.07 ms of
     kernels on an H200, 2026-12-03) and gate/up two. The same products, column for column (up to the matrix
-    kernel's summation order). A group is made one module at a time, so building it holds one group twice."""
+    kernel's summation order). A group is made one module at a time, so building it holds one group twice.
+    Inputs of more than FUSE_MAX_TOKENS tokens (prefills) take each projection's own product."""
     for module in copy.modules():
         for names in FUSED_GROUPS:
             group = [getattr(module, name, None) for name in names]

@@ -573,7 +573,7 @@ def test_fused_projections_of_the_generation_copy_on_gpu(step_mode, monkeypatch)
     from utils.generation import generation_copy, static_cache_generate
 
     model, pad, ids, mask = _small_model_and_prompts()
-    monkeypatch.setattr(generation, "FUSE_PROJECTIONS", True)  # off by default until this test and a benchmark ran
+    monkeypatch.setattr(generation, "FUSE_PROJECTIONS", True)  # the default since 2026-12-05
     fused = generation_copy(model)
     assert type(fused.model.layers[0].self_attn.q_proj).__name__ == "_GroupFirst"
     model.__dict__.pop("_lean_rl_generation_copy")
