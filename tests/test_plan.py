@@ -12,7 +12,7 @@ from utils.cli import parse_args
 from utils.plan import (BUDGET_RUNS, as_measured, GIB, HELD_OUT, HELD_OUT_PPO, MEASURED, PHASE_PEAKS, SHAPES, TIME_FIT,
                         TIME_HELD_OUT, WORKLOAD_GRPO, WORKLOAD_PPO, Shape,
                         apply_flags, estimate, estimate_time, load_shape, parse_memory, plan, script_args,
-                        search)
+                        search, time_as_measured)
 
 
 def test_parameter_counts_match_real_models():
@@ -152,7 +152,7 @@ _TIMED = [("fit", *row) for row in TIME_FIT] + [("held out", *row) for row in TI
 def test_step_time_estimates_against_the_h200_runs(kind, shape, algo, flags, step, phases):
     """Fitted runs within 10% of their step time; held-out runs (never used for fitting) within 25%."""
     workload = WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO
-    est = estimate_time(load_shape(shape), script_args(algo, workload + flags.split()), algo)
+    est = estimate_time(load_shape(shape), script_args(algo, workload + flags.split()), algo, **time_as_measured())
     assert abs(est["step"] / step - 1) <= (0.10 if kind == "fit" else 0.25), (est["step"], step)
 
 
@@ -180,7 +180,7 @@ def test_budget_rows_held_out_time_and_memory(run):
     workload = WORKLOAD_GRPO if run["algo"] == "grpo" else WORKLOAD_PPO
     args = script_args(run["algo"], workload + run["flags"])
     shape = load_shape(run["shape"])
-    assert abs(estimate_time(shape, args, run["algo"])["step"] / run["step_time_s"] - 1) <= 0.25
+    assert abs(estimate_time(shape, args, run["algo"], **time_as_measured(run))["step"] / run["step_time_s"] - 1) <= 0.25
     memory = estimate(shape, args, run["algo"], **as_measured(row=run))["peak_reserved"]
     assert abs(memory / GIB / run["peak_reserved_gib"] - 1) <= 0.15
 
@@ -247,6 +247,27 @@ def test_time_model_by_hand_for_one_decoding_step():
     assert slow > 3 * (512 * step)  # 4 slices of 32 rows: 4 x 512 steps, each reading all the weights
 
 
+def test_fused_generation_copy_takes_its_per_layer_saving_off_each_decoding_step_only_where_it_fuses():
+    """A bf16 copy holding its own q/k/v and gate/up (float32 full training, LoRA merged into a copy, QLoRA) decodes
+    FUSED_LAYER_S x 28 layers faster per step, 512 steps a rollout; a copy sharing the policy's bf16 Linears (bf16
+    full training, --generation_copy_in_place) and an int8 copy do not fuse; copy_fused=False gives the old time."""
+    import utils.plan as P
+
+    shape = load_shape("qwen2.5-1.5b")
+    cases = {("--generation_copy",): True,
+             ("--generation_copy", "--use_lora", "--torch_dtype", "bfloat16"): True,
+             ("--generation_copy", "--use_lora", "--load_in_4bit"): True,
+             ("--generation_copy", "--torch_dtype", "bfloat16"): False,
+             ("--generation_copy", "--use_lora", "--torch_dtype", "bfloat16", "--generation_copy_in_place"): False,
+             ("--generation_copy", "--generation_copy_dtype", "int8"): False,
+             (): False}
+    for flags, fuses in cases.items():
+        args = _workload(["--generation_backend", "compiled", *flags])
+        assert P.copy_fuses_projections(args) is fuses, flags
+        fused, unfused = (estimate_time(shape, args, copy_fused=f)["phases"]["generate"] for f in (True, False))
+        assert unfused - fused == pytest.approx(512 * 28 * P.FUSED_LAYER_S if fuses else 0.0, abs=1e-12), flags
+
+
 def test_top_entropy_filtering_costs_the_old_logprob_pass_and_dynamic_sampling_says_what_it_leaves_out():
     """--top_entropy_quantile with one iteration runs the no-grad pass of --num_iterations 2 for the tokens'
     entropy (train_grpo.py step 5): the same seconds, under the phase name the script logs."""
@@ -308,9 +329,10 @@ def test_generation_copy_counts_the_policys_own_bf16_tensors_once():
 def test_in_place_copy_costs_no_gpu_bytes_only_the_host_backup_and_the_adapters_time():
     """--generation_copy_in_place (LoRA on a bf16 base) at 7b: the copy's own bytes are 0 where the usual bf16 copy
     holds the decoder's Linears (the adapted weights, 2 bytes each); the host holds those once; generation costs
-    what the bf16 copy's does plus the restore over the host link (bytes / rate), and less than decoding through
+    what the bf16 copy's does plus the restore over the host link (bytes / rate) and the fused projections' saving
+    (the in-place copy's Linears are the base's own, so not fused), and less than decoding through
     the adapters; the search picks it for the 24 GB card, where the usual copy does not fit."""
-    from utils.plan import GPUS, _set_flags
+    from utils.plan import FUSED_LAYER_S, GPUS, _set_flags
 
     shape = load_shape("qwen2.5-7b")
     lora = ["--use_lora", "--torch_dtype", "bfloat16", "--generation_backend", "compiled"]
@@ -321,7 +343,9 @@ def test_in_place_copy_costs_no_gpu_bytes_only_the_host_backup_and_the_adapters_
     assert estimate(shape, in_place)["host_bytes"] - estimate(shape, plain)["host_bytes"] == 2 * shape.linear_params
     gen = {name: estimate_time(shape, a)["phases"]["generate"] for name, a in (("plain", plain), ("usual", usual),
                                                                       ("in_place", in_place))}
-    assert gen["in_place"] - gen["usual"] == pytest.approx(2 * shape.linear_params / GPUS["h200"]["host"])
+    restore = 2 * shape.linear_params / GPUS["h200"]["host"]
+    unfused = 512 * shape.layers * FUSED_LAYER_S  # the usual copy's projections are its own, so fused
+    assert gen["in_place"] - gen["usual"] == pytest.approx(restore + unfused)
     assert gen["in_place"] < gen["plain"]
     card = parse_memory("24GB")
     found = search(shape, _workload(lora[:3]), "grpo", card, explicit=_set_flags(_workload(lora[:3]), "grpo"))

@@ -195,6 +195,17 @@ def generation_copy_shared_bytes(shape, args):
     return 2 * shared
 
 
+def copy_fuses_projections(args):
+    """Whether --generation_copy fuses q/k/v and gate/up (utils/generation.py _fuse_projections): a bf16 copy that
+    holds them in its own storage, that is, unless the policy's bf16 Linears are shared (full training in bf16,
+    or LoRA with --generation_copy_in_place; all-linear adapters assumed)."""
+    if not args.generation_copy or args.generation_copy_dtype != "bfloat16":
+        return False
+    train_bytes, quant = _storage_bytes(args)
+    quantised_lora = bool(args.use_lora and quant)
+    return quantised_lora or train_bytes != 2 or (args.use_lora and not args.generation_copy_in_place)
+
+
 def embedding_rows(vocab, tokens):
     """Distinct rows `tokens` ids touch, expected for ids uniform over the vocabulary (text, whose ids follow
     Zipf's law, touches fewer): what --param_offload's embedding copies per micro-batch."""
@@ -479,6 +490,11 @@ def int8_decode_eff(rows):
     for (r0, f0), (r1, f1) in zip(points, points[1:]):
         if rows <= r1:
             return INT8_DECODE_EFF * (f0 + (f1 - f0) * (rows - r0) / (r1 - r0))
+# --generation_copy's projections fused (utils/generation.py FUSE_PROJECTIONS): FUSED_LAYER_S less per layer and
+# decoding step, measured at 1.5b only (H100, benchmarks/decode_step.py --backends compiled --dtypes fp32
+# --generation_copy --short 400 --long 512, 128 rows, 2026-12-05: 3.84 ms a step unfused, 3.48 fused; the budget row's
+# generate 2.32 -> 2.19 s), assumed the same per layer at other shapes and rows
+FUSED_LAYER_S = 0.013e-3
 DECODE_LAYER_S = {"compiled": 0.092e-3, "cudagraph": 0.174e-3, "static": 0.45e-3, "hf": 0.91e-3}  # cudagraph: compiled
 # + the difference benchmarks/decode_step.py measured at 1.5b (6.10 - 3.80 ms over 28 layers); static: not measured
 # bitsandbytes 4-bit: dequantising costs DEQUANT_S per weight at every matmul call (decode step,
@@ -536,10 +552,12 @@ def _quant_bits(args):
     return 4 if args.load_in_4bit else 8 if args.load_in_8bit else None
 
 
-def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, engine="single") -> dict:
+def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, engine="single",
+                  copy_fused=True) -> dict:
     """Seconds per phase of one step after the first (compiles and captures are the first step's), for
     one process on `gpu` (a GPUS entry). Returns {"phases": {phase: s}, "step": s, "unmeasured": [what
-    the estimate assumes without a measurement behind it]}."""
+    the estimate assumes without a measurement behind it]}. copy_fused=False: as the code was before the
+    generation copy's projections were fused (2026-12-05), for the runs measured then."""
     gpu = gpu or GPUS["h200"]
     bw, mm, host = gpu["bandwidth"], gpu["matmul"] * MATMUL_EFF, gpu["host"]
     P, C = args.max_prompt_length, args.max_completion_length
@@ -643,6 +661,8 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         kv += 2 * slice_rows * (P + C / 2) * kv_bytes_per_token(shape)
         unmeasured.append("--kv_cache_dtype fp8's dequantising (assumed at the bandwidth)")
     decode_step = shape.layers * DECODE_LAYER_S[backend] + (weight_bytes + kv) / (bw * DECODE_EFF) + dequant + adapter_s
+    if copy_fused and copy_fuses_projections(args):  # q/k/v and gate/up: 2 products a layer instead of 5
+        decode_step -= shape.layers * FUSED_LAYER_S
     if backend == "static":
         unmeasured.append("--generation_backend static's step on a GPU (0.45 ms per layer assumed)")
     prefill = 2 * matmul_params * rows * P / mm
@@ -1515,6 +1535,25 @@ BUDGET_RUNS += [
                 "--per_device_train_batch_size 32").split()),
 ]
 
+BUDGET_RUNS += [
+    # 2026-12-05, held out (3 steps, median of steps 2-3), under the cap, on an H100 80GB HBM3 (no H200 lent that
+    # session; the time estimate on GPUS["h100"], datasheet rates scaled): the 1.5b 24GB row as the planner plans it,
+    # side by side on one machine, the generation copy unfused, then fused (FUSE_PROJECTIONS, with the prefill fused
+    # too, as it was then): 6.26 s (6.29, 6.24; estimated 6.5) -> 6.19 s (6.22, 6.15), generate 2.32 -> 2.19 s, ref 0.73,
+    # update 3.15 / 3.19 s; 18.82 GiB reserved both, generate's peak 13.85 -> 14.40 GiB allocated (the fused prefill's
+    # gate/up output held whole: prefills have taken each projection's own product since, FUSE_MAX_TOKENS)
+    dict(row="1.5b_full_24gb (H100, unfused copy)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=18.82,
+         step_time_s=6.26, copy_shared=True, gpu="h100",
+         flags=("--use_gradient_checkpointing --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
+                "--optimizer_offload --generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="1.5b_full_24gb (H100, fused copy)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=18.82,
+         step_time_s=6.19, copy_shared=True, gpu="h100", copy_fused=True,
+         flags=("--use_gradient_checkpointing --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
+                "--optimizer_offload --generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+]
+
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
 # estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
 # generation short, so they check it rather than hold it out
@@ -1567,6 +1606,8 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
      {"generate": 16.77, "ref": 12.24, "actor_update": 16.84}),
     ("7b_full_80gb (checkpointed, micro-batches of 32, 2026-12-04)", "qwen2.5-7b", "grpo",
      {"generate": 38.34, "ref": 50.57, "actor_update": 57.40}),
+    ("1.5b_full_24gb (H100, unfused copy)", "qwen2.5-1.5b", "grpo",
+     {"generate": 13.85, "ref": 9.98, "actor_update": 17.62}),
 ]]
 
 
@@ -1658,33 +1699,43 @@ def as_measured(flags=None, row=None):
                 swapped_moments_for_step=not any(r.get("critic_moments_whole_phase", False) for r in rows))
 
 
+def time_as_measured(row=None):
+    """estimate_time's keywords for a measured run: its GPU (a BUDGET_RUNS row's gpu, else the H200) and, unless
+    its row says copy_fused=True, the generation copy unfused (every run before 2026-12-05)."""
+    row = row or {}
+    return dict(gpu=GPUS[row.get("gpu", "h200")], copy_fused=row.get("copy_fused", False))
+
+
 def measured_rows():
     """(set, algo, shape, flags, measured GiB or None, measured step s or None, estimate's keywords as the code
-    was then): every H200 run the planner is checked against."""
+    was then, estimate_time's): every run the planner is checked against (H200, and H100 where a row says so)."""
     out = []
     for rows, kind, algo in ((MEASURED, "fit", "grpo"), (HELD_OUT, "held out", "grpo"),
                              (HELD_OUT_PPO, "held out", "ppo")):
-        out += [(kind, algo, shape, flags, gib, None, as_measured(flags)) for shape, flags, gib in rows]
+        out += [(kind, algo, shape, flags, gib, None, as_measured(flags), time_as_measured())
+                for shape, flags, gib in rows]
     for rows, kind in ((TIME_FIT, "fit"), (TIME_HELD_OUT, "held out")):
-        out += [(kind, algo, shape, flags.split(), None, step, as_measured(flags.split()))
+        out += [(kind, algo, shape, flags.split(), None, step, as_measured(flags.split()), time_as_measured())
                 for shape, algo, flags, step, _ in rows]
     out += [("fit" if row.get("fitted") else "held out", row["algo"], row["shape"], row["flags"],
-             row["peak_reserved_gib"], row["step_time_s"], as_measured(row=row)) for row in BUDGET_RUNS]
+             row["peak_reserved_gib"], row["step_time_s"], as_measured(row=row), time_as_measured(row))
+            for row in BUDGET_RUNS]
     return out
 
 
 def print_measured():
     print(f"{'shape':<14}{'est GiB':>9}{'meas GiB':>9}{'error':>7}{'est s':>8}{'meas s':>8}{'error':>7}  "
           f"{'set':<9}flags")
-    for kind, algo, shape_name, flags, gib, step, then in measured_rows():
+    for kind, algo, shape_name, flags, gib, step, then, time_then in measured_rows():
         args = script_args(algo, (WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO) + list(flags))
         shape = load_shape(shape_name)
         est_gib = estimate(shape, args, algo, **then)["peak_reserved"] / GIB
-        est_s = estimate_time(shape, args, algo)["step"]
+        est_s = estimate_time(shape, args, algo, **time_then)["step"]
         cells = [f"{est_gib:>9.2f}", f"{gib:>9.2f}" if gib else f"{'':>9}",
                  f"{est_gib / gib - 1:>+7.0%}" if gib else f"{'':>7}", f"{est_s:>8.2f}",
                  f"{step:>8.2f}" if step else f"{'':>8}", f"{est_s / step - 1:>+7.0%}" if step else f"{'':>7}"]
-        print(f"{shape_name:<14}" + "".join(cells) + f"  {kind:<9}{algo.upper()} {' '.join(flags)}")
+        on = "" if time_then["gpu"] is GPUS["h200"] else f" (on the {time_then['gpu']['name']})"
+        print(f"{shape_name:<14}" + "".join(cells) + f"  {kind:<9}{algo.upper()} {' '.join(flags)}{on}")
 
 
 if __name__ == "__main__":
