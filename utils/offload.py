@@ -134,9 +134,27 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
 
 def offloaded_checkpoint(function, hidden, *args):
-    """Drop-in for transformers' `_gradient_checkpointing_func(forward, hidden_states, ...)`."""
+    """Drop-in for transformers' `_gradient_checkpointing_func(forward, hidden_states, ...)`. Under --torch_compile
+    (transformers 5.24 checkpoints a layer's forward inside its compiled call) the offload itself stays out of
+    torch.compile, which cannot trace it (host copies, streams, RNG state, a module-level link): traced, it
+    broke the layer's graph, recompiled on that link and left the backward's recompute uncompiled. The layer's
+    own forward is compiled on its own instead (_compiled_layer), in the forward and in the recompute."""
+    return _offload_checkpoint(function, hidden, args, torch.compiler.is_compiling())
+
+
+@torch.compiler.disable
+def _offload_checkpoint(function, hidden, args, compiled):
     anchor = torch.empty(0, requires_grad=True)
+    if compiled:
+        return _OffloadedCheckpoint.apply(lambda h: _compiled_layer(function, h, *args), anchor, hidden)
     return _OffloadedCheckpoint.apply(lambda h: function(h, *args), anchor, hidden)
+
+
+def _call_layer(function, hidden, *args):
+    return function(hidden, *args)
+
+
+_compiled_layer = torch.compile(_call_layer)  # as Module.compile: at its first call, shapes dynamic once they vary
 
 
 def enable_activation_offload(model) -> int:
