@@ -646,7 +646,9 @@ def test_param_offload_memory_of_a_tied_weight_named_either_way_is_one_matrix_of
 
 def test_param_offload_time_charges_the_input_embedding_its_rows_and_a_head_the_whole_matrix():
     """--param_offload (utils/offload.py): an LM head crosses the host link whole three times a micro-batch, the
-    input embedding only the distinct rows a micro-batch uses, there and back; a tied weight leaves with either name."""
+    input embedding only the distinct rows a micro-batch uses, there and back; a tied weight leaves with either name.
+    Generation (ParamOffload.resident) copies each offloaded matrix to the GPU once: one for a tied weight or one
+    name, two for an untied embedding and head."""
     from utils.plan import GPUS, PARAM_OFFLOAD, embedding_rows
 
     host = GPUS["h200"]["host"] * PARAM_OFFLOAD
@@ -671,4 +673,10 @@ def test_param_offload_time_charges_the_input_embedding_its_rows_and_a_head_the_
             assert got["embedding"] == pytest.approx(used) and got["lm_head"] == pytest.approx(whole)
             assert got["embedding,lm_head"] == pytest.approx(whole + used)
             assert used < whole / 10  # 16 x 768 tokens touch under a tenth of 152k rows
+        generate = {policy: estimate_time(shape, script_args("grpo", WORKLOAD_GRPO + ["--generation_backend", "hf"] + (
+            ["--param_offload", "--offload_policy", policy] if policy else [])), "grpo")["phases"]["generate"]
+            for policy in ("", "embedding", "lm_head", "embedding,lm_head")}
+        matrix = shape.embedding_params * 4 / host
+        assert [generate[p] - generate[""] for p in ("embedding", "lm_head", "embedding,lm_head")] == pytest.approx(
+            [matrix, matrix, matrix] if shape.tied else [matrix, matrix, 2 * matrix])
     assert embedding_rows(1000, 10) == pytest.approx(10, rel=0.01) and embedding_rows(1000, 10**6) == pytest.approx(1000)

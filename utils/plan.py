@@ -676,8 +676,9 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     if args.generation_copy:  # the refresh: float32 merged weights written and read, the copy written
         generate += (shape.params * 6 / bw + (shape.linear_params * DEQUANT_S[bits] if bits else 0)
                      + (shape.params * 8 / bw if args.generation_copy_dtype == "int8" else 0))  # + quantising
-    if args.param_offload and not args.generation_copy:
-        generate += shape.embedding_params * trained_bytes * 2 / (host * PARAM_OFFLOAD)
+    if args.param_offload and not args.generation_copy:  # one GPU copy of each offloaded matrix for the phase
+        moved = _offloaded_embeddings(shape, args.offload_policy)
+        generate += shape.embedding_params * trained_bytes * (1 if shape.tied else len(moved)) / (host * PARAM_OFFLOAD)
     if args.generation_copy and args.generation_copy_in_place:  # the exact base back over the host link
         generate += in_place_backup_bytes(shape, args) / host
         unmeasured.append("--generation_copy_in_place's restore (assumed at the host link's rate)")
