@@ -655,6 +655,7 @@ class _GroupFirst(torch.nn.Linear):
 
     def forward(self, x):
         if x.numel() > FUSE_MAX_TOKENS * self.in_features:  # a prefill: its own product, as unfused
+            self._lean_rl_stash.input = self._lean_rl_stash.output = None  # nothing stale for the others
             return torch.nn.functional.linear(x, self.weight, self.bias)
         out = torch.nn.functional.linear(x, self._lean_rl_group_weight, self._lean_rl_group_bias)
         self._lean_rl_stash.input, self._lean_rl_stash.output = x, out
