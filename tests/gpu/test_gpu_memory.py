@@ -87,8 +87,8 @@ def test_activation_offload_under_torch_compile_on_gpu():
 
     torch._dynamo.reset()
     counters.clear()
-    base = _llama(layers=8, hidden=1024)
-    ids, mask, C = _batch(base.config.vocab_size, B=16, T=1024, C=512)
+    base = _llama(layers=4, hidden=1024)
+    ids, mask, C = _batch(base.config.vocab_size, B=8, T=1024, C=512)
     results = {}
     for mode in ("checkpointing", "offload"):
         model = copy.deepcopy(base)
