@@ -106,7 +106,9 @@ def test_activation_offload_under_torch_compile_on_gpu():
     print(f"\nactivation offload under torch.compile: peak {peak_c:.3f} -> {peak_o:.3f} GiB above the weights, "
           f"step {s_c * 1e3:.0f} -> {s_o * 1e3:.0f} ms; loss {loss_c} / {loss_o}")
     assert loss_o == pytest.approx(loss_c, rel=1e-4)
-    _assert_close_grads(grads_c, grads_o, 2e-3)
+    # two different compilations (checkpointing's whole graph, the offload's forward and recompute graphs) round
+    # bf16 differently: 6.8e-3 of the tensor's max on one q_proj (H100, 2026-12-05); the param-offload test's bound
+    _assert_close_grads(grads_c, grads_o, 1e-2)
     assert peak_o < peak_c
     assert all("torch.compiler.disable" in k for k in counters["graph_break"]), list(counters["graph_break"])
 
