@@ -139,10 +139,9 @@ def offloaded_checkpoint(function, hidden, *args):
     torch.compile, which cannot trace it (host copies, streams, RNG state, a module-level link): traced, it
     broke the layer's graph, recompiled on that link and left the backward's recompute uncompiled. The layer's
     own forward is compiled on its own instead (_compiled_layer), in the forward and in the recompute."""
-    return _offload_checkpoint(function, hidden, args, torch.compiler.is_compiling())
+    return _offload_outside_compile(function, hidden, args, torch.compiler.is_compiling())
 
 
-@torch.compiler.disable
 def _offload_checkpoint(function, hidden, args, compiled):
     anchor = torch.empty(0, requires_grad=True)
     if compiled:
@@ -154,12 +153,17 @@ def _call_layer(function, hidden, *args):
     return function(hidden, *args)
 
 
-_compiled_layer = torch.compile(_call_layer)  # as Module.compile: at its first call, shapes dynamic once they vary
+# made by enable_activation_offload (torch.compiler.disable and torch.compile import torch._dynamo: 3 s on a CPU)
+_offload_outside_compile = _compiled_layer = None
 
 
 def enable_activation_offload(model) -> int:
     """Make every checkpointed layer of `model` offload its saved input. Call after
     gradient_checkpointing_enable. Returns the number of layers."""
+    global _offload_outside_compile, _compiled_layer
+    if _compiled_layer is None:
+        _offload_outside_compile = torch.compiler.disable(_offload_checkpoint)
+        _compiled_layer = torch.compile(_call_layer)  # as Module.compile: at its first call, dynamic once shapes vary
     count = 0
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
