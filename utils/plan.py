@@ -191,19 +191,23 @@ def generation_copy_shared_bytes(shape, args):
     shared = norms + (0 if "embedding" in moved else shape.embedding_params)
     if args.generation_copy_dtype == "bfloat16":
         shared += 0 if (shape.tied or "lm_head" in moved) else shape.embedding_params
-        shared += shape.linear_params if (not args.use_lora or args.generation_copy_in_place) else 0
+        shared += shape.linear_params if _copy_shares_linears(args) else 0
     return 2 * shared
+
+
+def _copy_shares_linears(args):
+    """Whether a bf16 --generation_copy's decoder Linears are the policy's own bf16 tensors: full training in bf16,
+    or LoRA merged into the base itself (--generation_copy_in_place; all-linear adapters assumed)."""
+    train_bytes, quant = _storage_bytes(args)
+    return (args.generation_copy and args.generation_copy_dtype == "bfloat16"
+            and (2 if (args.use_lora and quant) else train_bytes) == 2
+            and (not args.use_lora or args.generation_copy_in_place))
 
 
 def copy_fuses_projections(args):
     """Whether --generation_copy fuses q/k/v and gate/up (utils/generation.py _fuse_projections): a bf16 copy that
-    holds them in its own storage, that is, unless the policy's bf16 Linears are shared (full training in bf16,
-    or LoRA with --generation_copy_in_place; all-linear adapters assumed)."""
-    if not args.generation_copy or args.generation_copy_dtype != "bfloat16":
-        return False
-    train_bytes, quant = _storage_bytes(args)
-    quantised_lora = bool(args.use_lora and quant)
-    return quantised_lora or train_bytes != 2 or (args.use_lora and not args.generation_copy_in_place)
+    holds them in its own storage, not the policy's (float32 full training, LoRA merged into a copy, QLoRA)."""
+    return args.generation_copy and args.generation_copy_dtype == "bfloat16" and not _copy_shares_linears(args)
 
 
 def embedding_rows(vocab, tokens):
