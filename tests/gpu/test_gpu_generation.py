@@ -561,18 +561,24 @@ def test_decode_attention_in_the_decoding_step_keeps_the_greedy_tokens_on_gpu(st
     _assert_as_greedy(model, ids, mask, ours, sdpa, step_mode, "kernel", "SDPA")
 
 
+@pytest.mark.parametrize("prefill", ["fused", "own_products"])
 @pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
-def test_fused_projections_of_the_generation_copy_on_gpu(step_mode, monkeypatch):
+def test_fused_projections_of_the_generation_copy_on_gpu(step_mode, prefill, monkeypatch):
     """A float32 policy's bf16 generation copy with q/k/v and gate/up fused (utils/generation.py
     _fuse_projections) against the same copy unfused: the full forward's logits within bf16 rounding, and a
     greedy rollout in the captured step (compiled: without falling back) whose first token is the unfused
-    copy's on every row, and no less greedy by a referee (the unfused copy's full forward) than its own."""
+    copy's on every row, and no less greedy by a referee (the unfused copy's full forward) than its own.
+    prefill="own_products": FUSE_MAX_TOKENS under the prompts' token count, so the full forward and the
+    prefill take each projection's own product (the branch a prefill of more than 1024 tokens takes) and the
+    decoding steps the fused one."""
     import warnings
 
     import utils.generation as generation
     from utils.generation import generation_copy, static_cache_generate
 
     model, pad, ids, mask = _small_model_and_prompts()
+    if prefill == "own_products":
+        monkeypatch.setattr(generation, "FUSE_MAX_TOKENS", ids.numel() - 1)
     monkeypatch.setattr(generation, "FUSE_PROJECTIONS", True)  # the default since 2026-12-05
     fused = generation_copy(model)
     assert type(fused.model.layers[0].self_attn.q_proj).__name__ == "_GroupFirst"
