@@ -124,3 +124,105 @@ def test_schedules_equal_transformers_get_scheduler(name, total, warmup):
     theirs = "constant_with_warmup" if name == "constant" and warmup else name
     expected = lrs(lambda o: get_scheduler(theirs, o, num_warmup_steps=warmup, num_training_steps=total))
     assert lrs(lambda o: optim.build_scheduler(o, name, total, warmup)) == pytest.approx(expected, abs=1e-12)
+
+
+# ---- --param_offload: the offloaded weights step on the CPU (HostStepped) --------------------------------------
+
+
+def _offloaded_toy(dtype, embedding_only=False):
+    from utils import toy
+    from utils.offload import ParamOffload
+
+    tokenizer = toy.build_tokenizer()
+    model = toy.build_model(tokenizer, seed=5, hidden_size=32, num_layers=1).to(dtype)
+    if embedding_only:
+        model.requires_grad_(False).get_input_embeddings().weight.requires_grad_(True)
+    ParamOffload(model, "embedding", "cpu")  # the toy model's head is tied: it leaves with the embedding
+    return model
+
+
+def _steps(model, opt, n, seed, scheduler=None):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
+        opt.step()
+        if scheduler:
+            scheduler.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_offloaded_float32_weights_step_as_torchs_adamw_and_the_rest_through_the_inner_optimizer():
+    """float32 weights, adamw_torch: the offloaded embedding steps through torch's fused CPU AdamW and every other
+    weight through the inner AdamW; 3 steps under a schedule equal 3 steps of one plain (for-loop) AdamW over
+    all of them, decay on matrices only, within float32 rounding."""
+    model = _offloaded_toy(torch.float32)
+    reference = copy.deepcopy(model)
+    opt = optim.build_optimizer(model, 1e-2, weight_decay=0.1)
+    assert isinstance(opt, optim.HostStepped) and opt.inner is not None
+    embedding = model.get_input_embeddings().weight
+    assert [p for p in opt.host_params] == [embedding] and opt.masters[0] is embedding
+    assert all(embedding is not p for g in opt.inner.param_groups for p in g["params"])
+    decay = [p for p in reference.parameters() if p.ndim >= 2]
+    plain = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                               {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                              lr=1e-2, foreach=False)
+    halve = lambda step: 0.5 ** step  # noqa: E731: one schedule must reach both optimizers' groups
+    _steps(model, opt, 3, seed=1, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, halve))
+    _steps(reference, plain, 3, seed=1, scheduler=torch.optim.lr_scheduler.LambdaLR(plain, halve))
+    assert opt.host.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 3)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+    assert embedding.grad is None  # zero_grad reaches the offloaded weights
+
+
+def test_offloaded_bf16_weight_steps_a_float32_master_and_resumes_exactly():
+    """bf16 weights: the offloaded embedding keeps a float32 master copy stepped by AdamW in float32 (against a
+    plain AdamW on a float32 copy of the start) and takes it rounded to nearest; only it trains here, so there is
+    no inner optimizer. Its state_dict (moments and master) through torch.save resumes bit for bit: 2 steps, save,
+    a new optimizer loads, 2 more, against 4 uninterrupted."""
+    model = _offloaded_toy(torch.bfloat16, embedding_only=True)
+    start = copy.deepcopy(model)
+    opt = optim.build_optimizer(model, 1e-3, optim="adamw_8bit")
+    assert isinstance(opt, optim.HostStepped) and opt.inner is None
+    embedding = model.get_input_embeddings().weight
+    master = embedding.detach().float().clone().requires_grad_(True)
+    plain = torch.optim.AdamW([master], lr=1e-3, weight_decay=0.0, foreach=False)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        embedding.grad = (torch.randn(embedding.shape, generator=g) * 1e-2).bfloat16()
+        master.grad = embedding.grad.float()
+        opt.step()
+        plain.step()
+        opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(opt.masters[0], master.detach(), rtol=1e-5, atol=1e-8)
+        assert torch.equal(embedding, opt.masters[0].bfloat16())  # rounded to nearest, not stochastically
+    assert not torch.equal(embedding, start.get_input_embeddings().weight)  # 1e-3 steps move bf16 weights
+
+    full = copy.deepcopy(start)
+    full_opt = optim.build_optimizer(full, 1e-3, optim="adamw_8bit")
+    _steps(full, full_opt, 4, seed=3)
+    part = copy.deepcopy(start)
+    part_opt = optim.build_optimizer(part, 1e-3, optim="adamw_8bit")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        part.get_input_embeddings().weight.grad = (torch.randn(embedding.shape, generator=g) * 1e-2).bfloat16()
+        part_opt.step()
+        part_opt.zero_grad(set_to_none=True)
+    buffer = io.BytesIO()
+    torch.save({"model": part.state_dict(), "optimizer": part_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = copy.deepcopy(start)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = optim.build_optimizer(resumed, 1e-3, optim="adamw_8bit")
+    resumed_opt.load_state_dict(saved["optimizer"])
+    for _ in range(2):
+        resumed.get_input_embeddings().weight.grad = (torch.randn(embedding.shape, generator=g) * 1e-2).bfloat16()
+        resumed_opt.step()
+        resumed_opt.zero_grad(set_to_none=True)
+    assert torch.equal(resumed.get_input_embeddings().weight, full.get_input_embeddings().weight)
+    assert torch.equal(resumed_opt.masters[0], full_opt.masters[0])
+    with pytest.raises(Exception, match="cannot resume it exactly"):
+        resumed_opt.load_state_dict(full_opt.inner.state_dict() if full_opt.inner else {"state": {}, "param_groups": []})

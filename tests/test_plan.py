@@ -156,9 +156,10 @@ def test_step_time_estimates_against_the_h200_runs(kind, shape, algo, flags, ste
     assert abs(est["step"] / step - 1) <= (0.10 if kind == "fit" else 0.25), (est["step"], step)
 
 
-# runs of code changed since (BUDGET_RUNS' `superseded`: the two float32 activation-offload runs, 11.29 s and 8.87 s
-# against 6.61 estimated, before 04ef21d kept the offload out of torch.compile) stay visible; strict, so a fix shows
-@pytest.mark.parametrize("run", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=r["superseded"]))
+# runs of code changed since (BUDGET_RUNS' `superseded`: e.g. the two float32 activation-offload runs, 11.29 s and
+# 8.87 s against 6.61 estimated, before 04ef21d kept the offload out of torch.compile) measure nothing the planner
+# models now: skipped here, listed by --measured
+@pytest.mark.parametrize("run", [pytest.param(r, marks=pytest.mark.skip(reason=r["superseded"]))
                                  if r.get("superseded") else r for r in BUDGET_RUNS],
                          ids=[r["row"] for r in BUDGET_RUNS])
 def test_budget_rows_held_out_time_and_memory(run):

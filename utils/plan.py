@@ -519,10 +519,12 @@ ADAPTER_EAGER_S, ADAPTER_CAPTURED_S = 200e-6, 15e-6  # captured: assumed (no run
 # modules 3 times per micro-batch (forward, recompute, gradient back) at PARAM_OFFLOAD of the link
 OFFLOAD_STREAM, OFFLOAD_SETUP, PARAM_OFFLOAD = 0.15, 0.0124, 0.0436
 # --param_offload: each offloaded weight's optimizer step runs on the CPU, on a CPU gradient made afresh each step
-# and accumulated there: per parameter, fitted to one run (7b bf16, the untied input embedding, 8-bit AdamW, 16 host
-# cores; H100, 2026-12-05: update 14.06 s against 8.48 estimated without this term). The fitted 1.5b run whose
-# tied head moved whole (PARAM_OFFLOAD above) is within 6% with it
-HOST_STEP_S = 1.0e-8
+# and accumulated there, per parameter. Through torchao's compiled 8-bit step it took 1e-8 s (fitted to one run: 7b
+# bf16, the untied input embedding, 16 host cores; H100, 2026-12-05: update 14.06 s against 8.48 estimated without
+# the term). Since, the offloaded weights step through torch's fused CPU AdamW on a float32 master (utils/optim.py
+# HostStepped): 3.4 ns a bf16 parameter against torchao's 41 on a 2-core CPU, so 1e-8 scaled by that ratio, assumed
+# (no GPU run of it yet)
+HOST_STEP_S = 1.0e-8 * 3.4 / 41
 # small micro-batches: a matmul over `t` tokens runs at t / (t + MB_TOKENS x (1536 / hidden)^2) of the rate
 # (assumed at 1.5b, hidden 1536; smaller for wider layers, whose GEMMs fill the GPU's SMs with fewer rows. Scaled by
 # 1 / hidden until 2026-12-03, chosen after the 7b 48GB row at micro-batches of 2 ran 19.6 s against 27.3 estimated
@@ -644,6 +646,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
                 unmeasured.append("--param_offload's embedding rows (the distinct ids of a micro-batch; assumed "
                                   "uniform over the vocabulary, an upper bound for text)")
             t += len(named) // (2 if shape.tied else 1) * shape.embedding_params * HOST_STEP_S
+            unmeasured.append("--param_offload's optimizer step on the CPU (HostStepped; scaled from a 2-core CPU)")
         if args.empty_cache_between_phases:
             t += EMPTY_CACHE_S
         return t
@@ -1602,6 +1605,8 @@ BUDGET_RUNS += [
     # 61.52 GiB on an H200 on 2026-12-03 and was not rerun beside it
     dict(row="input embedding in CPU memory (7b, the 80GB row's flags, H100)", shape="qwen2.5-7b", algo="grpo",
          peak_reserved_gib=59.70, step_time_s=22.74, copy_shared=True, gpu="h100", fitted=True,
+         superseded=("HostStepped (2026-12-05): the offloaded weights step through torch's fused CPU AdamW, not "
+                     "torchao's compiled 8-bit step"),
          flags=("--torch_dtype bfloat16 --torch_compile --optim adamw_8bit --generation_backend compiled "
                 "--generation_copy --empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4 "
                 "--param_offload --offload_policy embedding").split()),
