@@ -330,6 +330,7 @@ def test_optimizer_choices():
     (["--model_name_or_path", "x", "--load_in_4bit", "--reward_device", "offload"], "quantised model"),
     (["--logprob_chunk_size", "-1"], "logprob_chunk_size must be >= 0"),
     (["--param_offload", "--offload_policy", " ,"], "needs --offload_policy"),
+    (["--param_offload", "--mixed_precision", "fp16"], "loss scaler would not unscale"),
     (["--plan", "--gpu_memory", "lots"], "expected a card size as sold such as 24GB or 80GB, or an allocator budget such as 21GiB"),
 ])
 def test_memory_flag_errors(argv, match):

@@ -35,7 +35,7 @@ class SharedArgs:
     load_in_8bit: bool = field(default=False, metadata={"help": "As --load_in_4bit, with bitsandbytes int8 weights."})
     ref_offload: bool = field(default=False, metadata={"help": "Shorthand for --ref_device offload: the reference's weights in CPU memory, streamed to the GPU layer by layer in every micro-batch (slow at real sizes: a 1.5b reference pass took 12.2 s instead of 0.62 on an H200)."})
     reward_offload: bool = field(default=False, metadata={"help": "Shorthand for --reward_device offload."})
-    param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use (an input embedding: only the rows a micro-batch uses, and only their gradient back); their optimizer step runs on the CPU (torch's fused AdamW, float32 moments, a float32 master copy of bf16 weights); one process only. Same math for float32 weights with adamw_torch; otherwise those weights step in float32, more precisely than --optim's."})
+    param_offload: bool = field(default=False, metadata={"help": "Keep the trained weights (and their gradients and optimizer state) of the modules in --offload_policy in pinned CPU memory, copied to the GPU at each use (an input embedding: only the rows a micro-batch uses, and only their gradient back); their optimizer step runs on the CPU (torch's fused AdamW, float32 moments, a float32 master copy of bf16 weights); one process only, not with --mixed_precision fp16. Same math for float32 weights with adamw_torch; otherwise those weights step in float32, more precisely than --optim's."})
     optimizer_offload: bool = field(default=False, metadata={"help": "Keep the optimizer state (moments, quantisation scales) of the trained roles in pinned CPU memory, copied to the GPU for each optimizer step and back after it (verl's optimizer_offload): generation, the no-grad passes and the forward/backward run without it, for two copies of the state over the host link per step. Not under DeepSpeed/FSDP (they offload through their own configs) or with paged_adamw_8bit; --auto_memory may choose it. Same math."})
     offload_policy: str = field(default="embedding,lm_head", metadata={"help": "Comma list for --param_offload: embedding (input embeddings), lm_head (output embeddings), or names of Linear/Embedding modules."})
     generation_slice_size: Optional[int] = field(default=None, metadata={"help": "Decode this many rollouts (completions) at a time (smaller KV cache), in slices of similar prompt length without their shared left padding; default: all of the step's at once. Not TRL's --generation_batch_size (completions generated per round)."})
@@ -263,6 +263,10 @@ def check_memory_args(args, num_processes=1):
                                          if args.param_offload else ""))
     if args.param_offload and not [p for p in args.offload_policy.split(",") if p.strip()]:
         raise UsageError("--param_offload needs --offload_policy (e.g. embedding,lm_head)")
+    if args.param_offload and args.mixed_precision == "fp16":  # the scaler unscales only the optimizer's own groups
+        raise UsageError("--param_offload with --mixed_precision fp16: the offloaded weights step on the CPU through "
+                         "their own optimizer, whose gradients fp16's loss scaler would not unscale; use "
+                         "--mixed_precision bf16 (or no)")
 
 
 def torch_cuda_available():
