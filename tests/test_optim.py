@@ -19,11 +19,14 @@ def model_and_grads(dtype, seed=0):
     return model, grads
 
 
-def run_steps(model, opt, grads):
+def run_steps(model, opt, grads, scheduler=None):
+    """One step per entry of `grads` (a gradient for each trainable parameter, in order)."""
     for step_grads in grads:
-        for p, g in zip(model.parameters(), step_grads):
+        for p, g in zip([p for p in model.parameters() if p.requires_grad], step_grads, strict=True):
             p.grad = g.clone()
         opt.step()
+        if scheduler:
+            scheduler.step()
         opt.zero_grad(set_to_none=True)
 
 
@@ -141,16 +144,10 @@ def _offloaded_toy(dtype, embedding_only=False):
     return model
 
 
-def _steps(model, opt, n, seed, scheduler=None):
+def _random_grads(model, steps, seed):
     g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
-        opt.step()
-        if scheduler:
-            scheduler.step()
-        opt.zero_grad(set_to_none=True)
+    return [[(torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype) for p in model.parameters() if p.requires_grad]
+            for _ in range(steps)]
 
 
 def test_offloaded_float32_weights_step_as_torchs_adamw_and_the_rest_through_the_inner_optimizer():
@@ -169,8 +166,9 @@ def test_offloaded_float32_weights_step_as_torchs_adamw_and_the_rest_through_the
                                {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0}],
                               lr=1e-2, foreach=False)
     halve = lambda step: 0.5 ** step  # noqa: E731: one schedule must reach both optimizers' groups
-    _steps(model, opt, 3, seed=1, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, halve))
-    _steps(reference, plain, 3, seed=1, scheduler=torch.optim.lr_scheduler.LambdaLR(plain, halve))
+    grads = _random_grads(model, 3, seed=1)
+    run_steps(model, opt, grads, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, halve))
+    run_steps(reference, plain, grads, scheduler=torch.optim.lr_scheduler.LambdaLR(plain, halve))
     assert opt.host.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 3)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
@@ -200,16 +198,13 @@ def test_offloaded_bf16_weight_steps_a_float32_master_and_resumes_exactly():
         assert torch.equal(embedding, opt.masters[0].bfloat16())  # rounded to nearest, not stochastically
     assert not torch.equal(embedding, start.get_input_embeddings().weight)  # 1e-3 steps move bf16 weights
 
+    grads = _random_grads(start, 4, seed=3)
     full = copy.deepcopy(start)
     full_opt = optim.build_optimizer(full, 1e-3, optim="adamw_8bit")
-    _steps(full, full_opt, 4, seed=3)
+    run_steps(full, full_opt, grads)
     part = copy.deepcopy(start)
     part_opt = optim.build_optimizer(part, 1e-3, optim="adamw_8bit")
-    g = torch.Generator().manual_seed(3)
-    for _ in range(2):
-        part.get_input_embeddings().weight.grad = (torch.randn(embedding.shape, generator=g) * 1e-2).bfloat16()
-        part_opt.step()
-        part_opt.zero_grad(set_to_none=True)
+    run_steps(part, part_opt, grads[:2])
     buffer = io.BytesIO()
     torch.save({"model": part.state_dict(), "optimizer": part_opt.state_dict()}, buffer)
     buffer.seek(0)
@@ -218,10 +213,7 @@ def test_offloaded_bf16_weight_steps_a_float32_master_and_resumes_exactly():
     resumed.load_state_dict(saved["model"])
     resumed_opt = optim.build_optimizer(resumed, 1e-3, optim="adamw_8bit")
     resumed_opt.load_state_dict(saved["optimizer"])
-    for _ in range(2):
-        resumed.get_input_embeddings().weight.grad = (torch.randn(embedding.shape, generator=g) * 1e-2).bfloat16()
-        resumed_opt.step()
-        resumed_opt.zero_grad(set_to_none=True)
+    run_steps(resumed, resumed_opt, grads[2:])
     assert torch.equal(resumed.get_input_embeddings().weight, full.get_input_embeddings().weight)
     assert torch.equal(resumed_opt.masters[0], full_opt.masters[0])
     with pytest.raises(Exception, match="cannot resume it exactly"):

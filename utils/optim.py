@@ -26,19 +26,22 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, optim="adamw_torch",
     offload = getattr(model, "lean_rl_param_offload", None)  # --param_offload: those weights step on the CPU
     host = {id(p): p for _, m in (offload.modules if offload else []) for p in m.parameters(recurse=False)
             if p.requires_grad and not engine_master_weights}
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad and id(param) not in host:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    groups = _decay_groups([p for p in model.parameters() if p.requires_grad and id(p) not in host], weight_decay)
     if host:
-        inner = _build(groups, decay + no_decay, optim, kwargs, engine_master_weights) if groups else None
+        inner = _build(groups, optim, kwargs, engine_master_weights) if groups else None
         return HostStepped(inner, list(host.values()), weight_decay, **kwargs)
-    return _build(groups, decay + no_decay, optim, kwargs, engine_master_weights)
+    return _build(groups, optim, kwargs, engine_master_weights)
 
 
-def _build(groups, params, optim, kwargs, engine_master_weights):
+def _decay_groups(params, weight_decay):
+    """Parameter groups: weight decay on matrices, none on biases and norm weights (1-D); empty groups left out."""
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _build(groups, optim, kwargs, engine_master_weights):
+    params = [p for g in groups for p in g["params"]]
     if engine_master_weights:  # DeepSpeed steps its own fp32 copy of the weights: a plain AdamW over it
         return torch.optim.AdamW(groups, **kwargs)
     if any(p.dtype == torch.bfloat16 for p in params):
@@ -83,13 +86,17 @@ class HostStepped(torch.optim.Optimizer):
         self.inner, self.host_params = inner, host_params
         # float32 weights step in place; bf16 ones through a float32 master copy
         self.masters = [p if p.dtype == torch.float32 else p.detach().float() for p in host_params]
-        groups = [{"params": [m for m, p in zip(self.masters, host_params) if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [m for m, p in zip(self.masters, host_params) if p.ndim < 2], "weight_decay": 0.0}]
-        self.host = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=True)
+        self.host = torch.optim.AdamW(_decay_groups(self.masters, weight_decay), lr=lr, betas=betas, eps=eps,
+                                      fused=True)
         super().__init__(self.masters, dict(lr=lr))  # Optimizer's hooks and bookkeeping; groups replaced below
-        self.param_groups = (inner.param_groups if inner else []) + self.host.param_groups
-        self.state = inner.state if inner else {}
+        self._link()
         self.defaults = inner.defaults if inner else self.host.defaults
+
+    def _link(self):
+        """param_groups: the inner optimizer's, then the host's (the same dicts: one schedule sets both); state: the
+        inner's. Again after a load, which makes new groups and a new state dict in both."""
+        self.param_groups = (self.inner.param_groups if self.inner else []) + self.host.param_groups
+        self.state = self.inner.state if self.inner else {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -115,7 +122,7 @@ class HostStepped(torch.optim.Optimizer):
 
     def state_dict(self):
         return {"inner": self.inner.state_dict() if self.inner else None, "host": self.host.state_dict(),
-                "masters": [m.detach().clone() for m, p in zip(self.masters, self.host_params) if m is not p]}
+                "masters": [m for m, p in zip(self.masters, self.host_params) if m is not p]}
 
     def load_state_dict(self, state_dict):
         if "host" not in state_dict:
@@ -130,8 +137,7 @@ class HostStepped(torch.optim.Optimizer):
         for master, param in zip(self.masters, self.host_params):
             if master is not param:
                 master.copy_(next(saved))
-        self.param_groups[:] = (self.inner.param_groups if self.inner else []) + self.host.param_groups
-        self.state = self.inner.state if self.inner else {}  # torch's load makes a new state dict
+        self._link()
 
 
 # torchao steps each parameter in one compiled call whose temporaries (the float32 moments and weight, the int64

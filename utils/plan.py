@@ -1599,7 +1599,7 @@ BUDGET_RUNS += [
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 "
                 "--optim adamw_8bit --optimizer_offload --generation_backend compiled --empty_cache_between_phases "
                 "--ref_device swap --per_device_train_batch_size 16").split()),
-    # the same machine, fitted (HOST_STEP_S): the 7b 80GB row's flags with the untied input embedding in CPU memory,
+    # the same machine, fitted (HOST_STEP_S, until HostStepped superseded it): the 7b 80GB row's flags with the untied input embedding in CPU memory,
     # its rows fetched per micro-batch (--generation_copy: the captured step needs weights that stay put): 22.7 s
     # (22.77, 22.71; generate 5.68, ref 2.91, update 14.06), 59.70 GiB; the row itself ran 15.18 s (update 7.89),
     # 61.52 GiB on an H200 on 2026-12-03 and was not rerun beside it
@@ -1785,7 +1785,7 @@ def measured_rows():
 def print_measured():
     print(f"{'shape':<14}{'est GiB':>9}{'meas GiB':>9}{'error':>7}{'est s':>8}{'meas s':>8}{'error':>7}  "
           f"{'set':<9}flags")
-    held = []  # (memory within 10%, time within 25%, measured GiB, measured s) of each held-out run
+    held = []  # (memory within 10%, time within 25% (None where not measured), what ran) of each held-out run
     for kind, algo, shape_name, flags, gib, step, then, time_then in measured_rows():
         args = script_args(algo, (WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO) + list(flags))
         shape = load_shape(shape_name)
@@ -1797,17 +1797,17 @@ def print_measured():
         on = "" if time_then["gpu"] is GPUS["h200"] else f" (on the {time_then['gpu']['name']})"
         print(f"{shape_name:<14}" + "".join(cells) + f"  {kind:<9}{algo.upper()} {' '.join(flags)}{on}")
         if kind == "held out":
-            held.append((gib and abs(est_gib / gib - 1) <= 0.10, step and abs(est_s / step - 1) <= 0.25, gib, step,
-                         f"{shape_name} {est_gib:.2f} GiB / {est_s:.2f} s estimated against " +
-                         (f"{gib:.2f} GiB" if gib else "") + (" / " if gib and step else "") +
-                         (f"{step:.2f} s" if step else "")))
-    gib_rows, time_rows = [h for h in held if h[2]], [h for h in held if h[3]]
-    print(f"held out, today's code: memory within 10% in {sum(h[0] for h in gib_rows)} of {len(gib_rows)} runs, "
-          f"step time within 25% in {sum(h[1] for h in time_rows)} of {len(time_rows)} (runs marked `old code` "
-          f"measured a code path changed since, BUDGET_RUNS' `superseded`: listed, not counted)")
-    for h in held:
-        if (h[2] and not h[0]) or (h[3] and not h[1]):
-            print(f"  outside: {h[4]}")
+            measured = " / ".join(([f"{gib:.2f} GiB"] if gib else []) + ([f"{step:.2f} s"] if step else []))
+            held.append((abs(est_gib / gib - 1) <= 0.10 if gib else None,
+                         abs(est_s / step - 1) <= 0.25 if step else None,
+                         f"{shape_name} {est_gib:.2f} GiB / {est_s:.2f} s estimated against {measured}"))
+    memory, times = [h[0] for h in held if h[0] is not None], [h[1] for h in held if h[1] is not None]
+    print(f"held out, today's code: memory within 10% in {sum(memory)} of {len(memory)} runs, step time within 25% in "
+          f"{sum(times)} of {len(times)} (runs marked `old code` measured a code path changed since, BUDGET_RUNS' "
+          f"`superseded`: listed, not counted)")
+    for memory_in, time_in, what in held:
+        if memory_in is False or time_in is False:
+            print(f"  outside: {what}")
 
 
 if __name__ == "__main__":
