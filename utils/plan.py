@@ -1264,6 +1264,8 @@ TIME_HELD_OUT = [
 # counted in its summary of today's code
 _OFFLOAD_OUT_OF_COMPILE = ("04ef21d (2026-12-05): activation offload kept out of torch.compile, which had traced it "
                            "and run the backward's recompute uncompiled")
+_HOST_STEPPED = ("HostStepped (2026-12-05): --param_offload's weights step through torch's fused CPU AdamW, not "
+                 "the --optim's step on CPU tensors (torchao's compiled 8-bit step for bf16 weights)")
 BUDGET_RUNS = [
     dict(row="1.5b_full_12gb (before)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=10.04, step_time_s=7.79,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
@@ -1274,6 +1276,7 @@ BUDGET_RUNS = [
                 "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
                 "--per_device_train_batch_size 1").split()),
     dict(row="1.5b_full_12gb (unsliced step)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=9.57, step_time_s=38.09,
+         superseded=_HOST_STEPPED,
          flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --activation_offload "
                 "--logprob_chunk_size 256 --optim adamw_8bit --param_offload --generation_backend hf "
                 "--ref_device swap --per_device_train_batch_size 4").split()),
@@ -1605,8 +1608,7 @@ BUDGET_RUNS += [
     # 61.52 GiB on an H200 on 2026-12-03 and was not rerun beside it
     dict(row="input embedding in CPU memory (7b, the 80GB row's flags, H100)", shape="qwen2.5-7b", algo="grpo",
          peak_reserved_gib=59.70, step_time_s=22.74, copy_shared=True, gpu="h100", fitted=True,
-         superseded=("HostStepped (2026-12-05): the offloaded weights step through torch's fused CPU AdamW, not "
-                     "torchao's compiled 8-bit step"),
+         superseded=_HOST_STEPPED,
          flags=("--torch_dtype bfloat16 --torch_compile --optim adamw_8bit --generation_backend compiled "
                 "--generation_copy --empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4 "
                 "--param_offload --offload_policy embedding").split()),
