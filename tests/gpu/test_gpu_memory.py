@@ -140,12 +140,12 @@ def test_param_offload_steps_the_offloaded_weights_on_the_cpu_and_times_it_on_gp
     """utils/optim.py HostStepped on a GPU host: bf16 weights, --optim adamw_8bit, the untied input embedding at
     Qwen2.5-1.5B's size (151936 x 1536) in CPU memory. The GPU weights step through torchao (their state on the GPU),
     the embedding through torch's fused CPU AdamW on a float32 master (its state on the CPU), and takes the master
-    rounded to nearest. Prints the embedding's CPU step time against torchao's compiled 8-bit step on the same CPU
-    matrix (the path before HostStepped: 1e-8 s a parameter at 7b, H100 host, 2026-12-05)."""
+    rounded to nearest. Prints the step's time (torchao's 8-bit step of the same CPU matrix, the path before
+    HostStepped, took minutes to compile and ~10 s a step on the CPU: not run here)."""
     import time
 
     from utils.offload import ParamOffload
-    from utils.optim import HostStepped, build_optimizer, sliced_step
+    from utils.optim import HostStepped, build_optimizer
 
     model = _llama(vocab=151936, hidden=1536, layers=2).to(torch.bfloat16)
     ParamOffload(model, "embedding", "cuda:0")
@@ -166,20 +166,9 @@ def test_param_offload_steps_the_offloaded_weights_on_the_cpu_and_times_it_on_gp
     assert all(t.device.type == "cuda" for state in opt.inner.state.values() for t in state.values()
                if isinstance(t, torch.Tensor) and t.ndim > 0)
     assert {t.device.type for state in opt.host.state.values() for t in state.values()} == {"cpu"}
-    import torchao.optim
-
-    weight = torch.nn.Parameter(embedding.detach().clone())
-    old = sliced_step(torchao.optim.AdamW8bit)([weight], lr=1e-5, bf16_stochastic_round=True)
-    old_times = []
-    for _ in range(3):
-        weight.grad = torch.randn_like(weight) * 1e-3
-        start = time.perf_counter()
-        old.step()
-        old_times.append(time.perf_counter() - start)
     n = embedding.numel()
-    print(f"\nhost step (whole optimizer, GPU layers included): {min(times[1:]):.3f} s; the {n / 1e6:.0f}M-parameter "
-          f"embedding through torchao's 8-bit step on the CPU: {min(old_times[1:]):.3f} s "
-          f"({min(old_times[1:]) / n * 1e9:.1f} ns a parameter)")  # timings printed, not asserted
+    print(f"\nhost step (whole optimizer, GPU layers included, the {n / 1e6:.0f}M-parameter embedding on the CPU): "
+          f"{min(times[1:]):.3f} s")  # timings printed, not asserted
 
 
 def test_offloaded_embedding_on_gpu_moves_rows_not_the_matrix():
