@@ -10,7 +10,7 @@ import train_grpo
 from utils import toy
 from utils.cli import parse_args
 from utils.plan import (BUDGET_RUNS, as_measured, GIB, HELD_OUT, HELD_OUT_PPO, MEASURED, PHASE_PEAKS, SHAPES, TIME_FIT,
-                        TIME_HELD_OUT, WORKLOAD_GRPO, WORKLOAD_PPO, Shape,
+                        TIME_HELD_OUT, TIME_SUPERSEDED, WORKLOAD_GRPO, WORKLOAD_PPO, Shape,
                         apply_flags, estimate, estimate_time, load_shape, parse_memory, plan, script_args,
                         search, time_as_measured)
 
@@ -147,8 +147,10 @@ def test_estimates_within_15_percent_of_the_h200_runs(algo, shape, flags, measur
 _TIMED = [("fit", *row) for row in TIME_FIT] + [("held out", *row) for row in TIME_HELD_OUT]
 
 
-@pytest.mark.parametrize("kind, shape, algo, flags, step, phases", _TIMED,
-                         ids=[f"{k}-{a}-{s}-{i}" for i, (k, s, a, _, _, _) in enumerate(_TIMED)])
+# runs of code changed since (TIME_SUPERSEDED) are skipped here and listed by --measured
+@pytest.mark.parametrize("kind, shape, algo, flags, step, phases", [
+    pytest.param(*row, marks=pytest.mark.skip(reason=TIME_SUPERSEDED[row[3]])) if row[3] in TIME_SUPERSEDED else row
+    for row in _TIMED], ids=[f"{k}-{a}-{s}-{i}" for i, (k, s, a, _, _, _) in enumerate(_TIMED)])
 def test_step_time_estimates_against_the_h200_runs(kind, shape, algo, flags, step, phases):
     """Fitted runs within 10% of their step time; held-out runs (never used for fitting) within 25%."""
     workload = WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO
@@ -180,6 +182,13 @@ _PHASE_MISSES = {
     # levers at micro-batches of 8 (6.57 against 6.44) and the 24GB QLoRA rows at 32 (9.02-9.04 against 9.0) are within
     # 2%. Not found yet (the adapters' moments staying on the GPU would explain 0.3 GiB of it)
     "7b_qlora_12gb": "the reference pass 7.3% above its estimate (7.09 GiB allocated against 6.57)",
+    # 2026-12-05 (H100, stop 42): a bf16 --generation_copy at 7b (untied head) shares the policy's tensors by the
+    # count, yet generation peaked 4.2 GiB above the same flags' estimate (42.91 GiB allocated; 38.34 without the copy
+    # on an H200, 12-03), 2.1 GiB less with the input embedding in CPU memory. At 1.5b (tied) the copy adds nothing,
+    # as counted. Not found yet
+    "7b 80GB row's flags with --generation_copy (H100)": "generation 9.7% above its estimate (42.91 GiB against 38.76)",
+    "input embedding in CPU memory (7b, HostStepped, H100)": "generation 7.7% above its estimate (40.86 GiB against "
+                                                             "37.73)",
 }
 
 
@@ -424,6 +433,34 @@ def test_reward_pass_counted_at_its_own_batch_and_the_compiled_reference_pass_as
                                                                 "--per_device_train_batch_size", "32"]), "grpo")
     assert lora["components"]["ref/logits"] == head + 32 * T * shape.inter * 4
     assert lora["components"]["reward/pass"] == 0  # no reward model
+
+
+def test_a_checkpointed_compiled_update_counts_an_untied_head_apart_from_a_layer_and_a_tied_one_beside_it():
+    """A checkpointed update runs the LM head's chunks after the last layer's forward and before the first layer's
+    recompute. For an untied head (7b) under --torch_compile, the update phase holds the weights, moments and
+    gradients, the saved layer inputs and the larger of a layer's activations and the head's part, all computed here
+    by hand from the shape; a tied head (1.5b) and eager layers keep the two summed."""
+    from utils.plan import LAYER_ACT_HIDDEN, LAYER_ACT_INTER, LAYER_ACT_INTER_COMPILED, LOGIT_BYTES
+
+    T, C, rows = 256 + 512, 512, 32
+    for name, compiled in (("qwen2.5-7b", True), ("qwen2.5-1.5b", True), ("qwen2.5-7b", False)):
+        shape = load_shape(name)
+        flags = ["--torch_dtype", "bfloat16", "--use_gradient_checkpointing", "--logprob_chunk_size", "1024",
+                 "--optim", "adamw_8bit", "--per_device_train_batch_size", str(rows), "--ref_device", "swap",
+                 "--empty_cache_between_phases"] + (["--torch_compile"] if compiled else [])
+        est = estimate(shape, script_args("grpo", WORKLOAD_GRPO + flags), "grpo")
+        weights = shape.params * 2
+        moments = shape.params * 2  # two 8-bit moments a weight
+        tokens = rows * T
+        saved = shape.layers * tokens * shape.hidden * 2
+        layer = tokens * (LAYER_ACT_HIDDEN * shape.hidden
+                          + (LAYER_ACT_INTER_COMPILED if compiled else LAYER_ACT_INTER) * shape.inter)
+        head = 1024 * shape.vocab * LOGIT_BYTES + rows * (C + 1) * shape.hidden * 4 + 2 * shape.vocab * shape.hidden * 2
+        apart = compiled and not shape.tied
+        expected = 2 * weights + moments + saved + (max(layer, head) if apart else layer + head)
+        assert est["phases"]["actor_update"] == pytest.approx(expected, rel=0.01), name
+        if apart:  # at 7b, micro-batches of 32: the layer is the larger, so the head costs nothing on top
+            assert layer > head
 
 
 def test_fp8_kv_cache_counted_by_hand_and_not_searched_yet():
@@ -673,19 +710,24 @@ def test_param_offload_time_charges_the_input_embedding_its_rows_and_a_head_the_
 
 def test_measured_summary_counts_held_out_runs_of_todays_code_only(capsys):
     """`python -m utils.plan --measured` ends with how many held-out runs are within the bounds (memory 10%, time
-    25%); runs whose code path changed since (BUDGET_RUNS' `superseded`) are listed as `old code`, not counted."""
+    25%); runs whose code path changed since (BUDGET_RUNS' `superseded`) are listed as `old code`, not counted; runs
+    a memory term was fitted to count for time only."""
     import re
 
-    from utils.plan import BUDGET_RUNS, main, measured_rows
+    from utils.plan import BUDGET_RUNS, HEAD_APART_FIT, main, measured_rows
 
     rows = measured_rows()
     assert [r for r in BUDGET_RUNS if r.get("superseded")]
-    assert sum(kind == "old code" for kind, *_ in rows) == sum(bool(r.get("superseded")) for r in BUDGET_RUNS)
+    assert sum(kind == "old code" for kind, *_ in rows) == sum(bool(r.get("superseded")) for r in BUDGET_RUNS) + sum(
+        flags in TIME_SUPERSEDED for _, _, flags, _, _ in TIME_FIT + TIME_HELD_OUT)
     main(["--measured"])
     out = capsys.readouterr().out
     assert out.count("  old code ") == sum(kind == "old code" for kind, *_ in rows)
     summary = re.search(r"memory within 10% in (\d+) of (\d+) runs, step time within 25% in (\d+) of (\d+)", out)
     held = [r for r in rows if r[0] == "held out"]
-    assert int(summary[2]) == sum(bool(r[4]) for r in held) and int(summary[4]) == sum(bool(r[5]) for r in held)
+    time_only = [r for r in rows if r[0] == "time out"]  # memory fitted to them (HEAD_APART_FIT), time held out
+    assert len(time_only) == len(HEAD_APART_FIT)
+    assert int(summary[2]) == sum(bool(r[4]) for r in held)
+    assert int(summary[4]) == sum(bool(r[5]) for r in held + time_only)
     outside = (int(summary[2]) - int(summary[1])) + (int(summary[4]) - int(summary[3]))
     assert len(re.findall(r"^  outside: ", out, re.M)) <= outside  # a run outside both bounds is listed once

@@ -411,13 +411,25 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     # autocast's cache then holds only the LM head's bf16 copy (plus the layer being run)
     update_casts = ((shape.embedding_params + shape.linear_params // shape.layers) * 2
                     if casts and args.torch_compile and args.use_gradient_checkpointing else casts)
+    # a checkpointed update meets the LM head's chunks after the last layer's forward and before the first layer's
+    # recompute: beside the saved layer inputs, not beside a layer's activations. Counted apart for compiled full-
+    # parameter updates of an untied head, fitted to the 7b 80GB checkpointed micro-batch-32 runs (2026-12-03 and
+    # 12-04: update 57.73 and 57.40 GiB allocated, 61.42 estimated with the two summed, 57.14 apart; HEAD_APART_FIT).
+    # A tied head (1.5b) keeps the sum: its compiled, checkpointed updates measured 0.2-0.8 GiB above the parts
+    # counted apart (16 runs); the head's gradient waits in autograd's buffer for the embedding's through the layers'
+    # backward, and the sum bounds that
+    if args.use_gradient_checkpointing and args.torch_compile and not args.use_lora and not shape.tied:
+        layer_then_head = max(update_casts + comp["update/activations"],
+                              comp["update/activations"] - layer_act + comp["update/logits"])
+    else:
+        layer_then_head = max(update_casts + comp["update/activations"],
+                              comp["update/activations"] + comp["update/logits"])
     phases = {
         "generate": static + gen_kv + comp["generate/kv_dequantised"] + comp["generate/copy"]
         + (0 if args.generation_copy else casts),
         "ref": static + kept + (0 if ref_elsewhere else comp["ref/logits"]) + swapped_ref
         + (shape.embedding_params * 2 if args.ref_device == "offload" else 0),
-        "actor_update": static + kept + grads["actor"] + max(update_casts + comp["update/activations"],
-                                                    comp["update/activations"] + comp["update/logits"],
+        "actor_update": static + kept + grads["actor"] + max(layer_then_head,
                                                     comp["update/optimizer_step"] + step_moments["actor"]),
     }
     if reward_state and args.reward_device == "swap":  # the reward model on the GPU for its phase only
@@ -516,14 +528,17 @@ DECODE_DEQUANT_S, DECODE_DEQUANT_ROWS = {4: 4.82e-12, 8: 9.64e-12}, 65
 ADAPTER_EAGER_S, ADAPTER_CAPTURED_S = 200e-6, 15e-6  # captured: assumed (no run of it alone)
 # transfers: --ref_device swap at the host link; --ref_device offload streams every micro-batch at
 # OFFLOAD_STREAM of the link plus a per-phase setup at OFFLOAD_SETUP; --param_offload copies its
-# modules 3 times per micro-batch (forward, recompute, gradient back) at PARAM_OFFLOAD of the link
-OFFLOAD_STREAM, OFFLOAD_SETUP, PARAM_OFFLOAD = 0.15, 0.0124, 0.0436
+# modules 3 times per micro-batch (forward, recompute, gradient back) at PARAM_OFFLOAD of the link (refit
+# 2026-12-05 to the 1.5b bf16 run with its tied embedding and head in CPU memory and HostStepped: update 6.47 s
+# against 3.47 without, H100; 0.0436 before, fitted to a float32 run of 2026-11-30 whose CPU step has changed since)
+OFFLOAD_STREAM, OFFLOAD_SETUP, PARAM_OFFLOAD = 0.15, 0.0124, 0.0838
 # --param_offload: each offloaded weight's optimizer step runs on the CPU, on a CPU gradient made afresh each step
 # and accumulated there, per parameter. Through torchao's compiled 8-bit step it took 1e-8 s (fitted to one run: 7b
 # bf16, the untied input embedding, 16 host cores; H100, 2026-12-05: update 14.06 s against 8.48 estimated without
 # the term). Since, the offloaded weights step through torch's fused CPU AdamW on a float32 master (utils/optim.py
-# HostStepped): 3.4 ns a bf16 parameter against torchao's 41 on a 2-core CPU, so 1e-8 scaled by that ratio, assumed
-# (no GPU run of it yet)
+# HostStepped): 3.4 ns a bf16 parameter against torchao's 41 on a 2-core CPU, so 1e-8 scaled by that ratio, assumed.
+# Checked since by the 7b run with HostStepped (H100, 2026-12-05, held out): 17.57 s against 16.91 estimated (-4%),
+# its update 9.20 s against 8.93
 HOST_STEP_S = 1.0e-8 * 3.4 / 41
 # small micro-batches: a matmul over `t` tokens runs at t / (t + MB_TOKENS x (1536 / hidden)^2) of the rate
 # (assumed at 1.5b, hidden 1536; smaller for wider layers, whose GEMMs fill the GPU's SMs with fewer rows. Scaled by
@@ -646,7 +661,8 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
                 unmeasured.append("--param_offload's embedding rows (the distinct ids of a micro-batch; assumed "
                                   "uniform over the vocabulary, an upper bound for text)")
             t += len(named) // (2 if shape.tied else 1) * shape.embedding_params * HOST_STEP_S
-            unmeasured.append("--param_offload's optimizer step on the CPU (HostStepped; scaled from a 2-core CPU)")
+            unmeasured.append("--param_offload's optimizer step on the CPU (HostStepped; scaled from a 2-core CPU, "
+                              "checked by one 7b run)")
         if args.empty_cache_between_phases:
             t += EMPTY_CACHE_S
         return t
@@ -1194,6 +1210,14 @@ WORKLOAD_PPO = ["--prompts_per_step", "128", "--max_prompt_length", "256", "--ma
 # benchmarks/memory.py's sweep of 2 steps, which does not): (shape, algo, flags, step, phases). The time
 # model's fitted constants were fitted to TIME_FIT (least squares on log phase and step times, a weak
 # prior on each); TIME_HELD_OUT was not used. Runs before 2026-12-01 decoded with hf, then the default.
+# TIME_FIT and TIME_HELD_OUT runs of a code path changed since: {flags: what changed}; --measured lists them as
+# `old code`, not counted, and tests/test_plan.py skips them (as BUDGET_RUNS' `superseded`)
+TIME_SUPERSEDED = {
+    "--param_offload --offload_policy embedding,lm_head --generation_backend hf": (
+        "HostStepped (2026-12-05): the offloaded float32 matrix steps through torch's fused CPU AdamW on its own "
+        "parameter group; PARAM_OFFLOAD was refit to a run of that (2026-12-05), after which this run of 2026-11-30 "
+        "(39.94 s, update 23.73 s) estimates 30.0 s, -25%"),
+}
 LEAN = ("--use_gradient_checkpointing --torch_dtype bfloat16 --optim adamw_8bit --logprob_chunk_size 1024 "
         "--generation_backend compiled")
 TIME_FIT = [
@@ -1614,9 +1638,61 @@ BUDGET_RUNS += [
                 "--param_offload --offload_policy embedding").split()),
 ]
 
+_BF16_24GB = ("--gpu_memory 24GB --torch_dtype bfloat16 --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
+              "--optimizer_offload --generation_backend compiled").split()
+_BF16_12GB_COPY = ("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 "
+                   "--optim adamw_8bit --optimizer_offload --generation_backend compiled --generation_copy "
+                   "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 16").split()
+_BF16_80GB_COPY = ("--torch_dtype bfloat16 --torch_compile --optim adamw_8bit --generation_backend compiled "
+                   "--generation_copy --empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4"
+                   ).split()
+BUDGET_RUNS += [
+    # 2026-12-05, night (stop 42), held out unless marked (3 steps, median of steps 2-3), under the cap, on one H100
+    # 80GB HBM3 (no H200 came when asked), one machine for all. The 1.5b 24GB row as the planner plans it
+    # (`python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3`): 5.95 s (5.94, 5.97; estimated 6.3), 18.82 GiB
+    # (generate 2.04, ref 0.72, update 3.16). Beside it, bf16 weights: the planner's bf16 plan (checkpointed,
+    # micro-batches of 32) 5.80 s (5.79, 5.81; generate 2.09, ref 0.65, update 3.02), 18.90 GiB; the same without
+    # checkpointing at micro-batches of 4 (caches emptied, reference swapped) 6.03 s (6.07, 6.00; update 2.99, ref
+    # 0.78), 16.21 GiB: no recompute, but micro-batches too small to run the matmuls faster
+    dict(row="1.5b_full_24gb (H100, stop 42)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=18.82,
+         step_time_s=5.95, copy_shared=True, gpu="h100", copy_fused=True,
+         flags=("--use_gradient_checkpointing --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
+                "--optimizer_offload --generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="1.5b bf16 24GB, checkpointed, micro-batches of 32 (H100)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=18.90, step_time_s=5.80, copy_shared=True, gpu="h100", copy_fused=True,
+         flags=_BF16_24GB[2:] + "--use_gradient_checkpointing --per_device_train_batch_size 32".split()),
+    dict(row="1.5b bf16 24GB, no checkpointing, micro-batches of 4 (H100)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=16.21, step_time_s=6.03, copy_shared=True, gpu="h100", copy_fused=True,
+         flags=_BF16_24GB[2:] + "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4".split()),
+    # the input-embedding lever with HostStepped, each beside the same flags without it. 7b (untied: the input
+    # embedding's rows per micro-batch): 17.57 s (17.73, 17.41; generate 5.54, ref 2.78, update 9.20), 58.55 GiB,
+    # against 19.33 s (16.70, 21.96: step 3's ref 4.40 s and update 12.11 s, step 2's 2.79 and 8.39), 62.67 GiB;
+    # before HostStepped the lever's run took 22.7 s (update 14.06). 1.5b (tied: the whole matrix crosses three
+    # times a micro-batch), the 12GB row's flags with --generation_copy: 9.60 s (9.63, 9.57; update 6.47), 8.55 GiB,
+    # against 6.53 s (6.36, 6.69; update 3.47), 9.44 GiB. PARAM_OFFLOAD was refitted to the 1.5b pair (fitted); the
+    # 7b pair is held out
+    dict(row="input embedding in CPU memory (7b, HostStepped, H100)", shape="qwen2.5-7b", algo="grpo",
+         peak_reserved_gib=58.55, step_time_s=17.57, copy_shared=True, gpu="h100", copy_fused=True,
+         flags=_BF16_80GB_COPY + "--param_offload --offload_policy embedding".split()),
+    dict(row="7b 80GB row's flags with --generation_copy (H100)", shape="qwen2.5-7b", algo="grpo",
+         peak_reserved_gib=62.67, step_time_s=19.33, copy_shared=True, gpu="h100", copy_fused=True,
+         flags=_BF16_80GB_COPY),
+    dict(row="tied embedding and head in CPU memory (1.5b, HostStepped, H100)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=8.55, step_time_s=9.60, copy_shared=True, gpu="h100", copy_fused=True, fitted=True,
+         flags=_BF16_12GB_COPY + "--param_offload --offload_policy embedding".split()),
+    dict(row="1.5b 12GB row's flags with --generation_copy (H100)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=9.44, step_time_s=6.53, copy_shared=True, gpu="h100", copy_fused=True,
+         flags=_BF16_12GB_COPY),
+]
+
 # per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
 # estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
 # generation short, so they check it rather than hold it out
+# the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
+# memory as fitted (`time out`), their step time as held out
+HEAD_APART_FIT = {"7b_full_80gb (checkpointed, micro-batches of 32)",
+                  "7b_full_80gb (checkpointed, micro-batches of 32, 2026-12-04)"}
 _FLAGS = {run["row"]: run["flags"] for run in BUDGET_RUNS}
 PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peaks in [
     ("7b_full_80gb (checkpointed, micro-batches of 32)", "qwen2.5-7b", "grpo",
@@ -1668,6 +1744,19 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
      {"generate": 38.34, "ref": 50.57, "actor_update": 57.40}),
     ("1.5b_full_24gb (H100, unfused copy)", "qwen2.5-1.5b", "grpo",
      {"generate": 13.85, "ref": 9.98, "actor_update": 17.62}),
+    ("1.5b_full_24gb (H100, stop 42)", "qwen2.5-1.5b", "grpo", {"generate": 13.85, "ref": 9.98, "actor_update": 17.63}),
+    ("1.5b bf16 24GB, checkpointed, micro-batches of 32 (H100)", "qwen2.5-1.5b", "grpo",
+     {"generate": 10.54, "ref": 9.79, "actor_update": 17.02}),
+    ("1.5b bf16 24GB, no checkpointing, micro-batches of 4 (H100)", "qwen2.5-1.5b", "grpo",
+     {"generate": 7.66, "ref": 7.06, "actor_update": 15.66}),
+    ("input embedding in CPU memory (7b, HostStepped, H100)", "qwen2.5-7b", "grpo",
+     {"generate": 40.86, "ref": 43.77, "actor_update": 57.29}),
+    ("7b 80GB row's flags with --generation_copy (H100)", "qwen2.5-7b", "grpo",
+     {"generate": 42.91, "ref": 45.81, "actor_update": 61.46}),
+    ("tied embedding and head in CPU memory (1.5b, HostStepped, H100)", "qwen2.5-1.5b", "grpo",
+     {"generate": 8.10, "ref": 6.02, "actor_update": 7.91}),
+    ("1.5b 12GB row's flags with --generation_copy (H100)", "qwen2.5-1.5b", "grpo",
+     {"generate": 7.67, "ref": 6.45, "actor_update": 9.36}),
 ]]
 
 
@@ -1775,9 +1864,11 @@ def measured_rows():
         out += [(kind, algo, shape, flags, gib, None, as_measured(flags), time_as_measured())
                 for shape, flags, gib in rows]
     for rows, kind in ((TIME_FIT, "fit"), (TIME_HELD_OUT, "held out")):
-        out += [(kind, algo, shape, flags.split(), None, step, as_measured(flags.split()), time_as_measured())
+        out += [("old code" if flags in TIME_SUPERSEDED else kind, algo, shape, flags.split(), None, step,
+                 as_measured(flags.split()), time_as_measured())
                 for shape, algo, flags, step, _ in rows]
-    out += [("old code" if row.get("superseded") else "fit" if row.get("fitted") else "held out", row["algo"],
+    out += [("old code" if row.get("superseded") else "fit" if row.get("fitted")
+             else "time out" if row["row"] in HEAD_APART_FIT else "held out", row["algo"],
              row["shape"], row["flags"],
              row["peak_reserved_gib"], row["step_time_s"], as_measured(row=row), time_as_measured(row))
             for row in BUDGET_RUNS]
@@ -1798,15 +1889,15 @@ def print_measured():
                  f"{step:>8.2f}" if step else f"{'':>8}", f"{est_s / step - 1:>+7.0%}" if step else f"{'':>7}"]
         on = "" if time_then["gpu"] is GPUS["h200"] else f" (on the {time_then['gpu']['name']})"
         print(f"{shape_name:<14}" + "".join(cells) + f"  {kind:<9}{algo.upper()} {' '.join(flags)}{on}")
-        if kind == "held out":
+        if kind in ("held out", "time out"):
             measured = " / ".join(([f"{gib:.2f} GiB"] if gib else []) + ([f"{step:.2f} s"] if step else []))
-            held.append((abs(est_gib / gib - 1) <= 0.10 if gib else None,
+            held.append((abs(est_gib / gib - 1) <= 0.10 if gib and kind == "held out" else None,
                          abs(est_s / step - 1) <= 0.25 if step else None,
                          f"{shape_name} {est_gib:.2f} GiB / {est_s:.2f} s estimated against {measured}"))
     memory, times = [h[0] for h in held if h[0] is not None], [h[1] for h in held if h[1] is not None]
     print(f"held out, today's code: memory within 10% in {sum(memory)} of {len(memory)} runs, step time within 25% in "
           f"{sum(times)} of {len(times)} (runs marked `old code` measured a code path changed since, BUDGET_RUNS' "
-          f"`superseded`: listed, not counted)")
+          f"`superseded`: listed, not counted; `time out`: memory fitted, step time held out)")
     for memory_in, time_in, what in held:
         if memory_in is False or time_in is False:
             print(f"  outside: {what}")
