@@ -294,8 +294,8 @@ def main(argv=None):
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, apply_memory_cap,
-                              gpu_peaks_line, host_peak_rss_gib)
+    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepProfile, StepSnapshot,
+                              apply_memory_cap, gpu_peaks_line, host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 compile_repeated_blocks, eos_token_ids, frozen_dtype, load_causal_lm, load_tokenizer,
                                 lora_kwargs, quantization_of, resolve_mixed_precision, check_model_paths)
@@ -436,6 +436,7 @@ def main(argv=None):
              "reward": (reward_model and reward_model.model, None)}
     tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report, is_main)  # where each role's bytes are
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
+    profile = StepProfile(args.profile_step, args.output_dir, rank, num_processes, is_main)  # --profile_step: its kernels
     oom = OOMReport(args, "grpo", timer, tracker, num_processes, engine)  # explains an out-of-memory error, if one ends the run
     shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_completions)  # OOM: halve and redo a pass
     chunk = args.logprob_chunk_size
@@ -471,6 +472,7 @@ def main(argv=None):
         checkpointer.begin_step(step)  # the RNG states a save after a failure in this step must hold
         timer.reset()
         snapshot.begin()
+        profile.begin(step + 1)
         oom.step = step + 1
         step_start = time.perf_counter()
 
@@ -708,6 +710,7 @@ def main(argv=None):
                            f"(reward {rewards_per_func[0].tolist()})")
 
         snapshot.end()
+        profile.end()
         tracker.after_step(step + 1, timer.metrics)  # --log_memory_every: the per-role table
 
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit); the data position goes with it

@@ -279,8 +279,8 @@ def main(argv=None):
                                micro_batch_sync, prepare_frozen, replicas_comparable)
     from utils.generation import build_generation_config, generate_completions
     from utils.logger import MetricsLogger, check_report_to, first_last_line, rollout_metrics
-    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepSnapshot, apply_memory_cap,
-                              gpu_peaks_line, host_peak_rss_gib)
+    from utils.memory import (MemoryTracker, MicroBatchShrinker, OOMReport, PhaseTimer, StepProfile, StepSnapshot,
+                              apply_memory_cap, gpu_peaks_line, host_peak_rss_gib)
     from utils.modeling import (DTYPES, apply_lora, check_attn_implementation, check_replicas_in_sync,
                                 check_same_vocabulary, compile_repeated_blocks, eos_token_ids, frozen_dtype,
                                 load_causal_lm, load_tokenizer, load_value_model, lora_kwargs, quantization_of,
@@ -442,6 +442,7 @@ def main(argv=None):
              "reward": (reward_model and reward_model.model, None)}
     tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report, is_main)  # where each role's bytes are
     snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
+    profile = StepProfile(args.profile_step, args.output_dir, rank, num_processes, is_main)  # --profile_step: its kernels
     oom = OOMReport(args, "ppo", timer, tracker, num_processes, engine)  # explains an out-of-memory error, if one ends the run
     shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_size)  # OOM: halve and redo a pass
     chunk = args.logprob_chunk_size
@@ -471,6 +472,7 @@ def main(argv=None):
         checkpointer.begin_step(step)  # the RNG states a save after a failure in this step must hold
         timer.reset()
         snapshot.begin()
+        profile.begin(step + 1)
         oom.step = step + 1
         step_start = time.perf_counter()
         raw_prompts, prompts, columns = data_utils.process_batch(
@@ -687,6 +689,7 @@ def main(argv=None):
                 tqdm.write(f"  sample: {str(prompts[0])!r} -> {completions[0]!r} (score {scores[0].item():.3f})")
 
         snapshot.end()
+        profile.end()
         tracker.after_step(step + 1, timer.metrics)  # --log_memory_every: the per-role table
 
         # 8. save: every --save_steps, and on SIGTERM/SIGINT (then exit)

@@ -62,6 +62,59 @@ def test_memory_snapshot_needs_a_gpu(run, tmp_path):
     assert result.returncode == 2 and "--memory_snapshot records the CUDA allocator" in result.stderr
 
 
+def test_phase_profile_table_counts_each_op_in_the_phase_it_started_in():
+    """phase_profile_table against hand sums over constructed events: kernels (GPU) counted by their elapsed time in
+    the phase whose range holds their start, CPU ops by self time where no kernel ran, the largest first."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    from utils.memory import phase_profile_table
+
+    def event(name, start, end, device=DeviceType.CPU, self_cpu=0.0):
+        return SimpleNamespace(name=name, time_range=Interval(start, end), device_type=device,
+                               self_cpu_time_total=self_cpu)
+
+    phases = [event("phase/generate", 0, 10_000), event("phase/actor_update", 10_000, 30_000)]
+    kernels = [event("gemm", 100, 2_100, DeviceType.CUDA), event("gemm", 3_000, 4_000, DeviceType.CUDA),
+               event("softmax", 5_000, 5_500, DeviceType.CUDA), event("gemm", 12_000, 20_000, DeviceType.CUDA),
+               event("adam", 29_000, 31_000, DeviceType.CUDA)]  # starts in the update, ends after it
+    cpu_ops = [event("aten::mm", 50, 9_000, self_cpu=7_000.0)]  # not counted: kernels ran
+    table = phase_profile_table(phases + kernels + cpu_ops, top=5)
+    generate, update = table.split("  actor_update:")
+    assert "GPU time" in table and "aten::mm" not in table
+    assert "generate: 3.5 ms of GPU time in 2 kernels, 10.0 ms of wall time" in generate
+    assert generate.index("3.00 ms  85.7%  gemm") < generate.index("0.50 ms  14.3%  softmax")
+    assert " 10.0 ms of GPU time in 2 kernels, 20.0 ms of wall time" in update
+    assert "8.00 ms  80.0%  gemm" in update and "2.00 ms  20.0%  adam" in update
+    cpu = phase_profile_table(phases + cpu_ops + [event("aten::add", 15_000, 16_000, self_cpu=400.0)], top=5)
+    assert "generate: 7.0 ms of CPU time in 1 ops" in cpu and "0.40 ms 100.0%  aten::add" in cpu
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_profile_step_writes_a_trace_with_the_phases_and_prints_their_top_ops(run, tmp_path, script):
+    """--profile_step 2: a trace of step 2 only (each phase a `phase/<name>` range) and a table per phase."""
+    result = run(["--max_steps", "2", "--profile_step", "2", "--output_dir", str(tmp_path), "--save_strategy", "no"],
+                 script=script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trace = json.load(open(tmp_path / "profile_step2.json"))
+    names = {e.get("name") for e in trace["traceEvents"]}
+    phases = ["generate", "ref", "actor_update"] + (["critic_update"] if script == "train_ppo.py" else [])
+    assert {f"phase/{p}" for p in phases} <= names
+    assert result.stdout.count("profile: CPU time per phase") == 1
+    for p in phases:
+        assert f"\n  {p}: " in result.stdout
+    assert "aten::mm" in result.stdout  # the matmuls are among the top ops of some phase
+
+
+@pytest.mark.parametrize("value", ["0", "3"])
+def test_profile_step_outside_the_run_is_refused_before_loading(run, tmp_path, value):
+    result = run(["--max_steps", "2", "--profile_step", value, "--output_dir", str(tmp_path)])
+    assert result.returncode == 2 and f"--profile_step {value}: a step of this run, 1 to --max_steps (2)" in result.stderr
+    assert "rewards:" not in result.stdout  # the banner printed once the models are loaded
+
+
 @pytest.mark.parametrize("script, phase", [("train_grpo.py", "actor_update"), ("train_grpo.py", "generate"),
                                            ("train_ppo.py", "critic_update"), ("train_ppo.py", "ref")])
 def test_out_of_memory_is_explained_and_the_checkpoint_survives(run, tmp_path, script, phase):

@@ -49,6 +49,7 @@ class SharedArgs:
     log_memory_every: int = field(default=0, metadata={"help": "Print each role's GPU/CPU bytes (weights, gradients, optimizer state) and the phase peaks every N steps and at the end; 0: never."})
     memory_report: Optional[str] = field(default=None, metadata={"help": "Folder for memory.json, memory_timeline.png (phase peaks across steps) and memory_breakdown.png (roles x weights/gradients/optimizer, phases' transient memory), written at the end."})
     memory_snapshot: Optional[str] = field(default=None, metadata={"help": "Record the CUDA allocator over the first step and write this pickle (open it at pytorch.org/memory_viz); GPU only."})
+    profile_step: Optional[int] = field(default=None, metadata={"help": "Profile step N (1-based; 2 or later skips step 1's compiles and captures) with torch.profiler: write OUTPUT_DIR/profile_stepN.json (a trace for ui.perfetto.dev or chrome://tracing, each phase a phase/<name> range) and print each phase's ten kernels with the most GPU time (ops by self CPU time on a CPU)."})
     auto_reduce_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch (or token budget, or generation batch; in a rollout first --prefill_chunk_size 64 where prompts are longer) and redo that pass exactly; kept for later steps; one process."})
     plan: bool = field(default=False, metadata={"help": "Print the memory planner's estimate (per role, component and phase) and the cheapest flags that fit (utils/plan.py), then exit; nothing loads."})
     auto_memory: bool = field(default=False, metadata={"help": "Apply the memory planner's flags, then train."})
@@ -218,6 +219,9 @@ def check_memory_args(args, num_processes=1):
                              "device and stays there; use cuda:N or cpu")
     if args.log_memory_every < 0:
         raise UsageError(f"--log_memory_every must be >= 0 (got {args.log_memory_every})")
+    if args.profile_step is not None and (args.profile_step < 1 or 0 < args.max_steps < args.profile_step):
+        raise UsageError(f"--profile_step {args.profile_step}: a step of this run, 1 to "
+                         + (f"--max_steps ({args.max_steps})" if args.max_steps > 0 else "its last"))
     if args.memory_snapshot and not torch_cuda_available():
         raise UsageError("--memory_snapshot records the CUDA allocator; no CUDA GPU is visible (use --memory_report "
                          "for the per-phase and per-role report)")

@@ -48,7 +48,8 @@ class PhaseTimer:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):  # marks the phase in a --profile_step trace
+                yield
         finally:
             if self.cuda:
                 torch.cuda.synchronize(self.device)
@@ -322,6 +323,65 @@ class StepSnapshot:
             self.recording = None  # once
             print(f"memory snapshot of the first step: {self.path} (open it at https://pytorch.org/memory_viz)",
                   flush=True)
+
+
+class StepProfile:
+    """--profile_step N: torch.profiler over step N (1-based; from 2, past step 1's compiles and captures). Writes
+    OUTPUT_DIR/profile_step{N}[_rank{r}].json (a trace that chrome://tracing and ui.perfetto.dev open, each phase a
+    `phase/<name>` range) and prints, per phase, the ops with the most self time on the GPU (on the CPU without one).
+    Off (step None): nothing."""
+
+    def __init__(self, step, output_dir, rank=0, num_processes=1, is_main=True, top=10):
+        self.step, self.output_dir, self.top, self.is_main = step, output_dir, top, is_main
+        self.name = f"profile_step{step}" + (f"_rank{rank}" if num_processes > 1 else "") + ".json"
+        self.profiler = None
+
+    def begin(self, step):
+        """At the start of 1-based step `step`."""
+        if self.step is None or step != self.step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+
+    def end(self):
+        if self.profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        os.makedirs(self.output_dir, exist_ok=True)
+        path = os.path.join(self.output_dir, self.name)
+        self.profiler.export_chrome_trace(path)
+        if self.is_main:
+            print(phase_profile_table(self.profiler.events(), self.top) + f"\ntrace of step {self.step}: {path} "
+                  "(open it at ui.perfetto.dev or chrome://tracing)", flush=True)
+        self.profiler = None
+
+
+def phase_profile_table(events, top=10) -> str:
+    """Per `phase/<name>` range of a profile: the `top` kernels by GPU time (each counted in the phase it started in;
+    the phases synchronise at their ends), or on a CPU the `top` ops by self CPU time. Returns the table as text."""
+    phases = [e for e in events if e.name.startswith("phase/")]
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    unit = "GPU" if kernels else "CPU"
+    timed = kernels or [e for e in events if not e.name.startswith("phase/")]
+    lines = [f"profile: {unit} time per phase (the top {top} {'kernels' if kernels else 'ops, self time'} each)"]
+    for phase in phases:
+        start, end = phase.time_range.start, phase.time_range.end
+        totals = {}
+        for e in timed:
+            if start <= e.time_range.start < end:
+                spent = e.time_range.elapsed_us() if kernels else e.self_cpu_time_total  # microseconds
+                totals[e.name] = totals.get(e.name, 0.0) + spent
+        total = sum(totals.values()) or 1.0
+        lines.append(f"  {phase.name[len('phase/'):]}: {sum(totals.values()) / 1e3:.1f} ms of {unit} time in "
+                     f"{len(totals)} {'kernels' if kernels else 'ops'}, {(end - start) / 1e3:.1f} ms of wall time")
+        for name, spent in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"    {spent / 1e3:9.2f} ms {spent / total:6.1%}  {name[:100]}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -416,3 +416,22 @@ def test_memory_report_and_snapshot_on_gpu(run, tmp_path, local_model):
     assert data["timeline"][-1]["actor_update"]["allocated"] > 0
     assert snap.stat().st_size > 0
     print("\n" + "\n".join(line for line in result.stdout.splitlines() if "GiB" in line or "MiB" in line))
+
+
+def test_profile_step_on_gpu_lists_each_phases_kernels(run, tmp_path, local_model):
+    """--profile_step 2 on a GPU: the trace holds the phases and CUDA kernels, and the printed table counts GPU
+    time per phase (kernels, not CPU ops) for generate, ref and actor_update."""
+    import json
+
+    result = run(["--model_name_or_path", local_model, "--max_steps", "2", "--prompts_per_step", "8",
+                  "--num_generations", "4", "--max_completion_length", "64", "--save_strategy", "no",
+                  "--profile_step", "2", "--output_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    trace = json.load(open(tmp_path / "profile_step2.json"))
+    assert {"phase/generate", "phase/ref", "phase/actor_update"} <= {e.get("name") for e in trace["traceEvents"]}
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+    table = result.stdout[result.stdout.index("profile: GPU time per phase"):]
+    print("\n" + table[:3000])
+    for phase in ("generate", "ref", "actor_update"):
+        line = next(l for l in table.splitlines() if l.startswith(f"  {phase}: "))
+        assert float(line.split()[1]) > 0  # ms of GPU time in its kernels
