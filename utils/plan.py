@@ -1638,7 +1638,7 @@ BUDGET_RUNS += [
                 "--param_offload --offload_policy embedding").split()),
 ]
 
-_BF16_24GB = ("--gpu_memory 24GB --torch_dtype bfloat16 --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
+_BF16_24GB = ("--torch_dtype bfloat16 --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
               "--optimizer_offload --generation_backend compiled").split()
 _BF16_12GB_COPY = ("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size 256 "
                    "--optim adamw_8bit --optimizer_offload --generation_backend compiled --generation_copy "
@@ -1661,10 +1661,10 @@ BUDGET_RUNS += [
                 "--ref_device swap --per_device_train_batch_size 16").split()),
     dict(row="1.5b bf16 24GB, checkpointed, micro-batches of 32 (H100)", shape="qwen2.5-1.5b", algo="grpo",
          peak_reserved_gib=18.90, step_time_s=5.80, copy_shared=True, gpu="h100", copy_fused=True,
-         flags=_BF16_24GB[2:] + "--use_gradient_checkpointing --per_device_train_batch_size 32".split()),
+         flags=_BF16_24GB + "--use_gradient_checkpointing --per_device_train_batch_size 32".split()),
     dict(row="1.5b bf16 24GB, no checkpointing, micro-batches of 4 (H100)", shape="qwen2.5-1.5b", algo="grpo",
          peak_reserved_gib=16.21, step_time_s=6.03, copy_shared=True, gpu="h100", copy_fused=True,
-         flags=_BF16_24GB[2:] + "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4".split()),
+         flags=_BF16_24GB + "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4".split()),
     # the input-embedding lever with HostStepped, each beside the same flags without it. 7b (untied: the input
     # embedding's rows per micro-batch): 17.57 s (17.73, 17.41; generate 5.54, ref 2.78, update 9.20), 58.55 GiB,
     # against 19.33 s (16.70, 21.96: step 3's ref 4.40 s and update 12.11 s, step 2's 2.79 and 8.39), 62.67 GiB;
@@ -1686,13 +1686,14 @@ BUDGET_RUNS += [
          flags=_BF16_12GB_COPY),
 ]
 
-# per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
-# estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
-# generation short, so they check it rather than hold it out
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
 # memory as fitted (`time out`), their step time as held out
 HEAD_APART_FIT = {"7b_full_80gb (checkpointed, micro-batches of 32)",
                   "7b_full_80gb (checkpointed, micro-batches of 32, 2026-12-04)"}
+
+# per-phase peak allocated GiB of budget rows (their metrics.jsonl, step 2 or the last), for the phase
+# estimates: (row, shape, algo, flags, {phase: GiB}). PREFILL_INTER_BYTES was counted after these showed
+# generation short, so they check it rather than hold it out
 _FLAGS = {run["row"]: run["flags"] for run in BUDGET_RUNS}
 PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peaks in [
     ("7b_full_80gb (checkpointed, micro-batches of 32)", "qwen2.5-7b", "grpo",
