@@ -441,7 +441,7 @@ def main(argv=None):
     roles = {"actor": (actor, actor_optimizer), "critic": (critic, critic_optimizer), "ref": (ref_model, None),
              "reward": (reward_model and reward_model.model, None)}
     tracker = MemoryTracker(roles, args.log_memory_every, args.memory_report, is_main)  # where each role's bytes are
-    snapshot = StepSnapshot(args.memory_snapshot)  # the allocator's history over the first step
+    snapshot = StepSnapshot(args.memory_snapshot, args.memory_snapshot_step)  # the allocator's history over one step
     profile = StepProfile(args.profile_step, args.output_dir, rank, num_processes, is_main)  # --profile_step: its kernels
     oom = OOMReport(args, "ppo", timer, tracker, num_processes, engine)  # explains an out-of-memory error, if one ends the run
     shrink = MicroBatchShrinker(args, args.auto_reduce_micro_batch, local_size)  # OOM: halve and redo a pass
@@ -471,7 +471,7 @@ def main(argv=None):
     for step in progress:
         checkpointer.begin_step(step)  # the RNG states a save after a failure in this step must hold
         timer.reset()
-        snapshot.begin()
+        snapshot.begin(step + 1)
         profile.begin(step + 1)
         oom.step = step + 1
         step_start = time.perf_counter()

@@ -108,10 +108,11 @@ def test_profile_step_writes_a_trace_with_the_phases_and_prints_their_top_ops(ru
     assert "aten::mm" in result.stdout  # the matmuls are among the top ops of some phase
 
 
+@pytest.mark.parametrize("flag", ["--profile_step", "--memory_snapshot_step"])
 @pytest.mark.parametrize("value", ["0", "3"])
-def test_profile_step_outside_the_run_is_refused_before_loading(run, tmp_path, value):
-    result = run(["--max_steps", "2", "--profile_step", value, "--output_dir", str(tmp_path)])
-    assert result.returncode == 2 and f"--profile_step {value}: a step of this run, 1 to --max_steps (2)" in result.stderr
+def test_a_profiled_or_snapshot_step_outside_the_run_is_refused_before_loading(run, tmp_path, flag, value):
+    result = run(["--max_steps", "2", flag, value, "--output_dir", str(tmp_path)])
+    assert result.returncode == 2 and f"{flag} {value}: a step of this run, 1 to --max_steps (2)" in result.stderr
     assert "rewards:" not in result.stdout  # the banner printed once the models are loaded
 
 

@@ -48,7 +48,8 @@ class SharedArgs:
     gather_for_generation: bool = field(default=True, metadata={"help": "Under DeepSpeed ZeRO-3 or FSDP2: gather the policy's full weights once for each rollout (one full copy in memory during generation); false: each layer is gathered at every decoding step (less memory, much slower). No effect otherwise."})
     log_memory_every: int = field(default=0, metadata={"help": "Print each role's GPU/CPU bytes (weights, gradients, optimizer state) and the phase peaks every N steps and at the end; 0: never."})
     memory_report: Optional[str] = field(default=None, metadata={"help": "Folder for memory.json, memory_timeline.png (phase peaks across steps) and memory_breakdown.png (roles x weights/gradients/optimizer, phases' transient memory), written at the end."})
-    memory_snapshot: Optional[str] = field(default=None, metadata={"help": "Record the CUDA allocator over the first step and write this pickle (open it at pytorch.org/memory_viz); GPU only."})
+    memory_snapshot: Optional[str] = field(default=None, metadata={"help": "Record the CUDA allocator over one step (--memory_snapshot_step, the first by default) and write this pickle (open it at pytorch.org/memory_viz); GPU only."})
+    memory_snapshot_step: int = field(default=1, metadata={"help": "With --memory_snapshot: the step to record (1-based); 2 or later leaves out step 1's compiles and captures."})
     profile_step: Optional[int] = field(default=None, metadata={"help": "Profile step N (1-based; 2 or later skips step 1's compiles and captures) with torch.profiler: write OUTPUT_DIR/profile_stepN.json (a trace for ui.perfetto.dev or chrome://tracing, each phase a phase/<name> range) and print each phase's ten kernels with the most GPU time (ops by self CPU time on a CPU)."})
     auto_reduce_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch (or token budget, or generation batch; in a rollout first --prefill_chunk_size 64 where prompts are longer) and redo that pass exactly; kept for later steps; one process."})
     plan: bool = field(default=False, metadata={"help": "Print the memory planner's estimate (per role, component and phase) and the cheapest flags that fit (utils/plan.py), then exit; nothing loads."})
@@ -219,6 +220,9 @@ def check_memory_args(args, num_processes=1):
                              "device and stays there; use cuda:N or cpu")
     if args.log_memory_every < 0:
         raise UsageError(f"--log_memory_every must be >= 0 (got {args.log_memory_every})")
+    if args.memory_snapshot_step < 1 or 0 < args.max_steps < args.memory_snapshot_step:
+        raise UsageError(f"--memory_snapshot_step {args.memory_snapshot_step}: a step of this run, 1 to "
+                         + (f"--max_steps ({args.max_steps})" if args.max_steps > 0 else "its last"))
     if args.profile_step is not None and (args.profile_step < 1 or 0 < args.max_steps < args.profile_step):
         raise UsageError(f"--profile_step {args.profile_step}: a step of this run, 1 to "
                          + (f"--max_steps ({args.max_steps})" if args.max_steps > 0 else "its last"))

@@ -72,7 +72,7 @@ HELP_SECTIONS = {
         "reward_offload", "param_offload", "optimizer_offload", "offload_policy", "generation_slice_size",
         "prefill_chunk_size", "kv_cache_dtype", "empty_cache_between_phases",
         "auto_reduce_micro_batch", "plan", "auto_memory", "gpu_memory", "log_memory_every", "memory_report",
-        "memory_snapshot", "profile_step"),
+        "memory_snapshot", "memory_snapshot_step", "profile_step"),
     "speed": ("generation_backend", "generation_copy", "generation_copy_dtype", "generation_copy_in_place", "torch_compile",
               "attn_implementation", "gather_for_generation"),
     "placement": ("actor_device", "critic_device", "ref_device", "reward_device", "offload_execution_device"),

@@ -305,14 +305,15 @@ def plot_breakdown(roles, timeline, path):
 
 
 class StepSnapshot:
-    """--memory_snapshot FILE: record the CUDA allocator's history over the run's first step and
-    dump the pickle that https://pytorch.org/memory_viz opens. Off (path None): nothing."""
+    """--memory_snapshot FILE: record the CUDA allocator's history over step --memory_snapshot_step (1-based, the
+    first by default) and dump the pickle that https://pytorch.org/memory_viz opens. Off (path None): nothing."""
 
-    def __init__(self, path):
-        self.path, self.recording = path, False
+    def __init__(self, path, step=1):
+        self.path, self.step, self.recording = path, step, False
 
-    def begin(self):
-        if self.path and not self.recording and self.recording is not None:
+    def begin(self, step):
+        """At the start of 1-based step `step`."""
+        if self.path and step == self.step and not self.recording and self.recording is not None:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
             self.recording = True
 
@@ -321,7 +322,7 @@ class StepSnapshot:
             torch.cuda.memory._dump_snapshot(self.path)
             torch.cuda.memory._record_memory_history(enabled=None)
             self.recording = None  # once
-            print(f"memory snapshot of the first step: {self.path} (open it at https://pytorch.org/memory_viz)",
+            print(f"memory snapshot of step {self.step}: {self.path} (open it at https://pytorch.org/memory_viz)",
                   flush=True)
 
 

@@ -414,8 +414,14 @@ def test_memory_report_and_snapshot_on_gpu(run, tmp_path, local_model):
     data = json.load(open(report / "memory.json"))
     assert data["roles_bytes"]["actor"]["weights_gpu"] > 0 and data["roles_bytes"]["actor"]["optimizer_gpu"] > 0
     assert data["timeline"][-1]["actor_update"]["allocated"] > 0
-    assert snap.stat().st_size > 0
+    assert snap.stat().st_size > 0 and f"memory snapshot of step 1: {snap}" in result.stdout
     print("\n" + "\n".join(line for line in result.stdout.splitlines() if "GiB" in line or "MiB" in line))
+    second = tmp_path / "second_step.pickle"  # --memory_snapshot_step 2: past the compiles
+    result = run(["--model_name_or_path", local_model, "--max_steps", "2", "--prompts_per_step", "4",
+                  "--num_generations", "4", "--max_completion_length", "32", "--save_strategy", "no",
+                  "--memory_snapshot", str(second), "--memory_snapshot_step", "2", "--output_dir", str(tmp_path / "o2")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert second.stat().st_size > 0 and f"memory snapshot of step 2: {second}" in result.stdout
 
 
 def test_profile_step_on_gpu_lists_each_phases_kernels(run, tmp_path, local_model):
