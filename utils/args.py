@@ -220,12 +220,11 @@ def check_memory_args(args, num_processes=1):
                              "device and stays there; use cuda:N or cpu")
     if args.log_memory_every < 0:
         raise UsageError(f"--log_memory_every must be >= 0 (got {args.log_memory_every})")
-    if args.memory_snapshot_step < 1 or 0 < args.max_steps < args.memory_snapshot_step:
-        raise UsageError(f"--memory_snapshot_step {args.memory_snapshot_step}: a step of this run, 1 to "
-                         + (f"--max_steps ({args.max_steps})" if args.max_steps > 0 else "its last"))
-    if args.profile_step is not None and (args.profile_step < 1 or 0 < args.max_steps < args.profile_step):
-        raise UsageError(f"--profile_step {args.profile_step}: a step of this run, 1 to "
-                         + (f"--max_steps ({args.max_steps})" if args.max_steps > 0 else "its last"))
+    for flag in ("memory_snapshot_step", "profile_step"):  # a step of this run (1-based)
+        step = getattr(args, flag)
+        if step is not None and (step < 1 or 0 < args.max_steps < step):
+            raise UsageError(f"--{flag} {step}: a step of this run, 1 to "
+                             + (f"--max_steps ({args.max_steps})" if args.max_steps > 0 else "its last"))
     if args.memory_snapshot and not torch_cuda_available():
         raise UsageError("--memory_snapshot records the CUDA allocator; no CUDA GPU is visible (use --memory_report "
                          "for the per-phase and per-role report)")

@@ -329,7 +329,7 @@ class StepSnapshot:
 class StepProfile:
     """--profile_step N: torch.profiler over step N (1-based; from 2, past step 1's compiles and captures). Writes
     OUTPUT_DIR/profile_step{N}[_rank{r}].json (a trace that chrome://tracing and ui.perfetto.dev open, each phase a
-    `phase/<name>` range) and prints, per phase, the ops with the most self time on the GPU (on the CPU without one).
+    `phase/<name>` range) and prints, per phase, the kernels with the most GPU time (ops by self CPU time without a GPU).
     Off (step None): nothing."""
 
     def __init__(self, step, output_dir, rank=0, num_processes=1, is_main=True, top=10):

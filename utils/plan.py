@@ -418,12 +418,9 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     # A tied head (1.5b) keeps the sum: its compiled, checkpointed updates measured 0.2-0.8 GiB above the parts
     # counted apart (16 runs); the head's gradient waits in autograd's buffer for the embedding's through the layers'
     # backward, and the sum bounds that
-    if args.use_gradient_checkpointing and args.torch_compile and not args.use_lora and not shape.tied:
-        layer_then_head = max(update_casts + comp["update/activations"],
-                              comp["update/activations"] - layer_act + comp["update/logits"])
-    else:
-        layer_then_head = max(update_casts + comp["update/activations"],
-                              comp["update/activations"] + comp["update/logits"])
+    head_apart = args.use_gradient_checkpointing and args.torch_compile and not args.use_lora and not shape.tied
+    layer_then_head = max(update_casts + comp["update/activations"],
+                          comp["update/activations"] - (layer_act if head_apart else 0) + comp["update/logits"])
     phases = {
         "generate": static + gen_kv + comp["generate/kv_dequantised"] + comp["generate/copy"]
         + (0 if args.generation_copy else casts),
