@@ -457,6 +457,58 @@ def test_generation_copy_is_the_bf16_policy_and_follows_its_updates():
         "generation_copy" in name for name in model.state_dict())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_building_the_generation_copy_allocates_only_the_tensors_it_holds_of_its_own(tied, monkeypatch):
+    """The copy is built on the meta device: a bf16 policy's copy (every weight the policy's own storage) makes no
+    storage for any weight while it is built and refreshed, only its buffers (built on the device, it held a whole
+    bf16 model until the policy's tensors replaced it: 15.2 GB at 7b); a float32 policy's copy makes one bf16
+    tensor per weight, an LM head tied to the embedding one tensor with it, as in the policy."""
+    from copy import deepcopy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import utils.generation as generation
+    from utils.generation import generation_copy
+
+    monkeypatch.setattr(generation, "FUSE_PROJECTIONS", False)  # fused groups are storage of their own (tested apart)
+
+    class NewStorage(TorchDispatchMode):  # bytes of every storage an op's output makes anew
+        def __init__(self, known):
+            super().__init__()
+            self.known, self.bytes = set(known), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in self.known:
+                        self.known.add(ptr)
+                        self.bytes += t.untyped_storage().nbytes()
+            return out
+
+    model, *_ = _model_and_prompts()
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    weights = {id(p): p for p in model.parameters()}.values()  # a tied weight once
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    policy = deepcopy(model).to(torch.bfloat16)
+    with NewStorage(t.untyped_storage().data_ptr() for t in [*policy.parameters(), *policy.buffers()]) as seen:
+        copy = generation_copy(policy)
+    weight_bytes = sum(2 * p.numel() for p in weights)  # in bf16
+    # no weight made (each is the policy's): its buffers and a few scalar constants, against the weights' 159 KB
+    assert seen.bytes <= buffer_bytes + 1024 < weight_bytes / 100, (seen.bytes, weight_bytes)
+    own = {p.data_ptr() for p in policy.parameters()}
+    assert all(p.data_ptr() in own for p in copy.parameters())
+    with NewStorage(t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]) as seen:
+        copy = generation_copy(model)  # float32: bf16 tensors of its own
+    assert (copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()) == tied
+    assert weight_bytes <= seen.bytes <= weight_bytes + buffer_bytes + 1024, (seen.bytes, weight_bytes)
+    expected = {name: p.to(torch.bfloat16) for name, p in model.state_dict().items()}
+    assert all(torch.equal(p, expected[name]) for name, p in copy.state_dict().items())
+
+
 def test_generation_copy_fuses_the_projections_of_one_input_into_one_product(monkeypatch):
     """q/k/v and gate/up of a copy that holds its own bf16 storage: each group's weights are row blocks of one
     tensor (the copy's refresh writes them as before, and the product sees it), one matrix product per group

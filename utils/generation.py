@@ -500,9 +500,10 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
     and runs in bf16 throughout; the training forward keeps its own numerics. Costs one bf16 copy
     of the model's weights in memory. dtype int8 (--generation_copy_dtype): every Linear of the copy
     (the LM head too) holds the merged weight as int8 codes with a bf16 scale per output row
-    (utils.int8.Int8Linear), the embedding and norms stay bf16: about half the bytes. The int8 copy is
-    built on the meta device and its tensors made one module at a time, so building it never holds a
-    bf16 copy (its buffers, RoPE's frequencies, are the policy's).
+    (utils.int8.Int8Linear), the embedding and norms stay bf16: about half the bytes. Either copy is
+    built on the meta device and only the tensors it holds of its own are then made on the device, so
+    building it never holds more than the copy (the int8 copy: never a bf16 copy; its buffers, RoPE's
+    frequencies, are the policy's).
 
     A parameter the copy would only copy (a module without an adapter whose tensor is already a plain
     bf16 tensor on the copy's device: QLoRA's embedding, norms and LM head, every weight of a
@@ -539,15 +540,17 @@ def generation_copy(policy, dtype="bfloat16", in_place=False):
         config = deepcopy(base.config)
         config.__dict__.pop("quantization_config", None)
         device = model_input_device(policy)
-        # no weight initialisation: every parameter is overwritten below, and with
-        # --empty_cache_between_phases the copy is built again for each rollout (initialising a 1.5b model
-        # took 30.5 s on a 2-core CPU, building it without 0.01 s; the buffers, e.g. RoPE's, are still computed)
-        with torch.device(device if (dtype == "bfloat16" and not in_place) else "meta"), _no_init_weights():
+        # on the meta device, then only the tensors the copy holds of its own made on the device: built there
+        # whole, a bf16 copy held all of its weights until the policy's own replaced them (7b: 15.2 GB for a
+        # moment at each rollout with --empty_cache_between_phases, which builds the copy again every time).
+        # No weight initialisation: every parameter is overwritten below (initialising a 1.5b model took 30.5 s
+        # on a 2-core CPU); the buffers, e.g. RoPE's, are the policy's
+        with torch.device("meta"), _no_init_weights():
             copy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         if dtype == "int8":
             _materialise_int8(copy, sources, device)
-        elif in_place:  # every tensor the policy's where it can be; anything else made on the device
-            _materialise(copy, sources, device, in_place=True)
+        else:  # every tensor the policy's where it can be (in place: the adapted bases too); the rest made here
+            _materialise(copy, sources, device, in_place)
         _share_policy_tensors(copy, sources, device, in_place)
         if dtype == "bfloat16" and FUSE_PROJECTIONS:
             _fuse_projections(copy)
@@ -737,13 +740,19 @@ def _materialise_int8(copy, sources, device):
 def _materialise(copy, sources, device, in_place=False):
     """The meta parameters of a copy built on the meta device -> empty bf16 tensors on `device` (filled by
     generation_copy; those the copy will hold as the policy's own, _shareable's, left on the meta device until
-    _share_policy_tensors), the buffers the policy's."""
+    _share_policy_tensors), the buffers the policy's. Parameters that are one tensor in the policy (an LM head
+    tied to the embedding), neither adapted, are one tensor in the copy too: a copy built without weight
+    initialisation is not tied, and held a tied 1.5b's embedding twice (0.47 GB)."""
+    made = {}  # id of the policy's tensor -> the copy's tensor on the device
     for name, module in copy.named_modules():
+        source = sources[name]
         for pname, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                if _shareable(sources[name], pname, param.shape, device, in_place) is None:
-                    module._parameters[pname] = torch.nn.Parameter(torch.empty_like(param, device=device),
-                                                                   requires_grad=False)
+            if param is None or not param.is_meta or _shareable(source, pname, param.shape, device, in_place) is not None:
+                continue
+            tensor = None if hasattr(source, "lora_A") else source._parameters.get(pname)
+            if tensor is None or id(tensor) not in made or made[id(tensor)].shape != param.shape:
+                made[id(tensor)] = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+            module._parameters[pname] = made[id(tensor)]
         for bname, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 module._buffers[bname] = sources[name]._buffers[bname].detach().clone().to(device)

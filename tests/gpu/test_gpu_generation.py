@@ -210,6 +210,37 @@ def test_captured_step_reads_the_refreshed_generation_copy():
     assert not torch.equal(before, after) and torch.equal(after, eager)
 
 
+def test_building_the_generation_copy_on_gpu_allocates_only_its_own_tensors():
+    """The copy built on the meta device: a bf16 policy's copy (every weight the policy's) raises the allocator's
+    peak by no weight while it is built (built on the GPU, it held a whole bf16 model for a moment: the 7b runs'
+    +4.2 GiB in generation); a float32 tied policy's copy by one bf16 copy of its weights, the tied head once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from utils.generation import generation_copy
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to("cuda", dtype)
+        bf16_bytes = 2 * sum(p.numel() for p in model.parameters())  # a tied weight once
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        copy = generation_copy(model)
+        torch.cuda.synchronize()
+        above, kept = torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start
+        print(f"\n{dtype}: weights {bf16_bytes / 2**20:.0f} MiB in bf16; building the copy: peak +{above / 2**20:.1f} "
+              f"MiB, kept +{kept / 2**20:.1f} MiB")
+        if dtype == torch.bfloat16:
+            assert above < bf16_bytes / 100
+        else:
+            assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
+            # one bf16 copy, plus one fused group at a time (q/k/v, gate/up) held twice while it is made
+            assert 0.99 * bf16_bytes <= kept <= 1.01 * bf16_bytes and above <= 1.1 * bf16_bytes
+        del model, copy
+
+
 QWEN_7B_DECODE_MATRICES = {"q/o": (3584, 3584, 2), "k/v": (512, 3584, 2), "gate/up": (18944, 3584, 2),
                            "down": (3584, 18944, 1)}  # per layer: [N, K] and how many; 28 layers + LM head
 
