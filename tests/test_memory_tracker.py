@@ -72,17 +72,22 @@ def test_phase_profile_table_counts_each_op_in_the_phase_it_started_in():
 
     from utils.memory import phase_profile_table
 
-    def event(name, start, end, device=DeviceType.CPU, self_cpu=0.0):
+    def event(name, start, end, device=DeviceType.CPU, self_cpu=0.0, annotation=False):
         return SimpleNamespace(name=name, time_range=Interval(start, end), device_type=device,
-                               self_cpu_time_total=self_cpu)
+                               self_cpu_time_total=self_cpu, is_user_annotation=annotation)
 
-    phases = [event("phase/generate", 0, 10_000), event("phase/actor_update", 10_000, 30_000)]
+    phases = [event("phase/generate", 0, 10_000), event("phase/actor_update", 10_000, 30_000),
+              # the ranges as the GPU's timeline shows them (H200 trace): neither a phase again nor a kernel
+              event("phase/generate", 20, 9_990, DeviceType.CUDA, annotation=True),
+              event("phase/actor_update", 10_020, 29_000, DeviceType.CUDA, annotation=True),
+              event("## forward ##", 12_000, 13_000, DeviceType.CUDA, annotation=True)]
     kernels = [event("gemm", 100, 2_100, DeviceType.CUDA), event("gemm", 3_000, 4_000, DeviceType.CUDA),
                event("softmax", 5_000, 5_500, DeviceType.CUDA), event("gemm", 12_000, 20_000, DeviceType.CUDA),
                event("adam", 29_000, 31_000, DeviceType.CUDA)]  # starts in the update, ends after it
     cpu_ops = [event("aten::mm", 50, 9_000, self_cpu=7_000.0)]  # not counted: kernels ran
     table = phase_profile_table(phases + kernels + cpu_ops, top=5)
     generate, update = table.split("  actor_update:")
+    assert table.count("  generate:") == 1 and "phase/" not in table and "forward" not in table
     assert "GPU time" in table and "aten::mm" not in table
     assert "generate: 3.5 ms of GPU time in 2 kernels, 10.0 ms of wall time" in generate
     assert generate.index("3.00 ms  85.7%  gemm") < generate.index("0.50 ms  14.3%  softmax")

@@ -27,6 +27,47 @@ def test_selective_log_softmax_and_entropy():
     torch.testing.assert_close(entropy_from_logits(logits).double(), ent_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_and_their_written_out_gradients_equal_autograd_in_float64(dtype, temperature):
+    """logprobs_and_entropy (a written-out backward: d logprob/dz = onehot - p, d entropy/dz = -p (z - lse + H))
+    against log_softmax and -sum p log p in float64 through autograd: values, and the gradient of a loss mixing
+    both, on a non-contiguous [B, C, V] view as completion_logprobs passes it; the metric entropy has no gradient
+    and leaves the logprob's gradient as it is."""
+    from utils.ops import logprobs_and_entropy
+
+    torch.manual_seed(0)
+    full = (torch.randn(3, 6, 50) * 3).to(dtype).requires_grad_()
+    logits = full[:, :-1]  # [3, 5, 50], a view
+    targets = torch.randint(0, 50, (3, 5))
+    w_lp, w_ent = torch.randn(3, 5), torch.randn(3, 5)
+    leaf = logits.detach().double().requires_grad_()
+    z = leaf / temperature
+    ref_lp = torch.log_softmax(z, -1).gather(-1, targets[..., None]).squeeze(-1)
+    p = torch.softmax(z, -1)
+    ref_ent = -(p * torch.log(p)).sum(-1)
+    (ref_grad,) = torch.autograd.grad((w_lp * ref_lp + w_ent * ref_ent).sum(), leaf, retain_graph=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=1e-5)  # bf16 input, fp32 math
+    for mode in ("grad", "checkpointed"):
+        lp, ent = logprobs_and_entropy(logits, targets, temperature, mode)
+        assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (3, 5)
+        torch.testing.assert_close(lp.double(), ref_lp.detach(), **tol)
+        torch.testing.assert_close(ent.double(), ref_ent.detach(), **tol)
+        (grad,) = torch.autograd.grad((w_lp * lp + w_ent * ent).sum(), full)
+        assert grad.dtype == dtype and grad[:, -1].abs().sum() == 0
+        torch.testing.assert_close(grad[:, :-1].double(), ref_grad, rtol=0,
+                                   atol=1e-5 if dtype == torch.float32 else 2e-2 * ref_grad.abs().max().item())
+    (ref_lp_grad,) = torch.autograd.grad((w_lp * ref_lp).sum(), leaf)
+    lp, ent = logprobs_and_entropy(logits, targets, temperature, "metric")
+    assert not ent.requires_grad
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), **tol)
+    (grad,) = torch.autograd.grad((w_lp * lp).sum(), full)
+    torch.testing.assert_close(grad[:, :-1].double(), ref_lp_grad, rtol=0,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2 * ref_lp_grad.abs().max().item())
+    lp, ent = logprobs_and_entropy(logits, targets, temperature)  # no entropy: zeros
+    assert not ent.requires_grad and not ent.any()
+
+
 def test_masked_mean():
     x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 0]]).float()

@@ -59,10 +59,10 @@ def _define_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, keep_ptr, o_ptr, m_ptr, l_ptr, L, scale,
-               sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, skeep_b, skeep_l, so_b, so_h, so_g,
-               G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, L_POW2: tl.constexpr, BLOCK: tl.constexpr,
-               SPLITS: tl.constexpr):
+    def decode_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, o_ptr, m_ptr, l_ptr, L, scale,
+                                sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, skeep_b, skeep_l,
+                                so_b, so_h, so_g, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                                L_POW2: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.arange(0, G_PAD)
@@ -108,8 +108,8 @@ def _define_kernel():
             tl.store(o_ptr + (part * G_PAD + g[:, None]) * D + d[None, :], acc)
 
     @triton.jit
-    def combine(part_ptr, m_ptr, l_ptr, o_ptr, so_b, so_h, so_g,
-                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    def decode_attention_combine(part_ptr, m_ptr, l_ptr, o_ptr, so_b, so_h, so_g,
+                                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
         # the splits' partial softmaxes rescaled to their common maximum and added, in split order
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -143,7 +143,7 @@ def _define_kernel():
             sums = torch.empty_like(maxima)
         else:
             partial, maxima, sums = out, out, out  # unused
-        kernel[(batch, heads, splits)](
+        decode_attention_kernel[(batch, heads, splits)](
             query, key, value, keep, partial, maxima, sums, length, scale,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), keep.stride(0), keep.stride(1),
@@ -151,8 +151,9 @@ def _define_kernel():
             G=groups, G_PAD=g_pad, D=dim, L_POW2=triton.next_power_of_2(length), BLOCK=block, SPLITS=splits,
             num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
         if splits > 1:
-            combine[(batch, heads)](partial, maxima, sums, out, out.stride(0), out.stride(1), out.stride(2),
-                                    G=groups, G_PAD=g_pad, D=dim, SPLITS=splits, num_warps=4)
+            decode_attention_combine[(batch, heads)](partial, maxima, sums, out, out.stride(0), out.stride(1),
+                                                     out.stride(2), G=groups, G_PAD=g_pad, D=dim, SPLITS=splits,
+                                                     num_warps=4)
         return out
 
     LAUNCH.append(launch)

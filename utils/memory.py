@@ -363,10 +363,14 @@ class StepProfile:
 
 
 def phase_profile_table(events, top=10) -> str:
-    """Per `phase/<name>` range of a profile: the `top` kernels by GPU time (each counted in the phase it started in;
-    the phases synchronise at their ends), or on a CPU the `top` ops by self CPU time. Returns the table as text."""
-    phases = [e for e in events if e.name.startswith("phase/")]
-    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    """Per `phase/<name>` range of a profile (as the CPU ran it): the `top` kernels by GPU time (each counted in the
+    phase it started in; the phases synchronise at their ends; the ranges' own GPU-side annotations are no kernels),
+    or on a CPU the `top` ops by self CPU time. Returns the table as text."""
+    cpu = torch.autograd.DeviceType.CPU
+    phases = [e for e in events if e.name.startswith("phase/") and e.device_type == cpu]
+    # a range (record_function) shows on the GPU's timeline too, as a user annotation: not a kernel
+    kernels = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)
+               and not e.name.startswith("phase/")]
     unit = "GPU" if kernels else "CPU"
     timed = kernels or [e for e in events if not e.name.startswith("phase/")]
     lines = [f"profile: {unit} time per phase (the top {top} {'kernels' if kernels else 'ops, self time'} each)"]

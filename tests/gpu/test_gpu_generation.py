@@ -236,8 +236,9 @@ def test_building_the_generation_copy_on_gpu_allocates_only_its_own_tensors():
             assert above < bf16_bytes / 100
         else:
             assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()
-            # one bf16 copy, plus one fused group at a time (q/k/v, gate/up) held twice while it is made
-            assert 0.99 * bf16_bytes <= kept <= 1.01 * bf16_bytes and above <= 1.1 * bf16_bytes
+            # one bf16 copy (H200: 239.0 MiB kept for 234.5 MiB of weights, the allocator's rounding), plus one
+            # fused group at a time (q/k/v, gate/up) held twice while it is made (peak +250.5 MiB)
+            assert 0.99 * bf16_bytes <= kept <= 1.05 * bf16_bytes and above <= 1.1 * bf16_bytes
         del model, copy
 
 
