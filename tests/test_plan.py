@@ -184,8 +184,10 @@ _PHASE_MISSES = {
     "7b_qlora_12gb": "the reference pass 7.3% above its estimate (7.09 GiB allocated against 6.57)",
     # 2026-12-05 (H100, stop 42): a bf16 --generation_copy at 7b (untied head) shares the policy's tensors by the
     # count, yet generation peaked 4.2 GiB above the same flags' estimate (42.91 GiB allocated; 38.34 without the copy
-    # on an H200, 12-03), 2.1 GiB less with the input embedding in CPU memory. At 1.5b (tied) the copy adds nothing,
-    # as counted. Not found yet
+    # on an H200, 12-03), 2.1 GiB less with the input embedding in CPU memory. Found 12-06: the copy was built on the
+    # GPU whole, holding a whole bf16 model until the policy's tensors replaced it; built on the meta device since
+    # (476a8f6), the same flags' generation peaked 38.34 GiB (the row "built on the meta device"). These two runs
+    # measured the old code
     "7b 80GB row's flags with --generation_copy (H100)": "generation 9.7% above its estimate (42.91 GiB against 38.76)",
     "input embedding in CPU memory (7b, HostStepped, H100)": "generation 7.7% above its estimate (40.86 GiB against "
                                                              "37.73)",
