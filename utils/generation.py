@@ -10,7 +10,7 @@ from utils.base import CAPTURED_BACKENDS, static_cache_len
 from utils.memory import fake_oom_check
 from utils.modeling import uncompiled_blocks
 from utils.offload import resident, side_stream
-from utils.ops import pad_cat
+from utils.ops import compiled_or_eager, pad_cat
 from utils.placement import model_input_device
 
 
@@ -179,6 +179,8 @@ def _pick(logits, temperature, top_k, top_p, greedy, uniform=None):
     return token, logprob
 
 
+# what a compile failure in the decoding step falls back to (compiled_or_eager's warning)
+GENERATION_FALLBACK = "--generation_backend compiled", "as --generation_backend cudagraph runs it"
 _CAPTURED_BEFORE = set()  # (model class, device, _decoder's key) of every decoding step captured in this process
 
 
@@ -213,10 +215,10 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
 
     pick = _pick
     if step_mode == "compiled":  # fused kernels (the graph is captured below); the random draw stays eager
-        forward = _compiled_or_eager(forward)
+        forward = compiled_or_eager(forward, "the model's forward", GENERATION_FALLBACK)
         # the pick's passes over the [B, V] float32 logits (scale, Gumbel noise, argmax, logsumexp) fused: eager they
         # were ~0.3 ms of the 1.5b workload's 3.5 ms step (an H200 profile, 2026-12-03, 128 rows); the same draws
-        pick = _compiled_or_eager(_pick, "the token pick")
+        pick = compiled_or_eager(_pick, "the token pick", GENERATION_FALLBACK)
 
     def step(token, position, cache_position, mask):
         logits = forward(token, position, cache_position, mask)  # [B, V]
@@ -233,35 +235,6 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
     if keep:
         model.__dict__["_lean_rl_decoder"] = (key, cache, step)  # lives (and dies) with the model
     return cache, step
-
-
-def _compiled_or_eager(forward, what="the model's forward"):
-    """torch.compile'd `forward`, or `forward` itself if compiling it fails at its first call (an
-    architecture or operator inductor cannot handle): a warning naming `what`, and the rollout goes on
-    with that part uncompiled, as --generation_backend cudagraph runs it (same numbers, uncompiled kernels).
-    Out of memory is not a compile failure and is raised."""
-    compiled = torch.compile(forward, fullgraph=False, dynamic=False)
-    chosen = []
-
-    def call(*args):
-        if not chosen:
-            try:
-                out = compiled(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as error:  # noqa: BLE001 (any compiler error)
-                import warnings
-
-                warnings.warn(f"--generation_backend compiled: torch.compile failed on {what} "
-                              f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
-                              "running it uncompiled (as --generation_backend cudagraph does) instead")
-                chosen.append(forward)
-                return forward(*args)
-            chosen.append(compiled)
-            return out
-        return chosen[0](*args)
-
-    return call
 
 
 def _captured(model, cache, step, batch, cache_len, device, warmup=3):

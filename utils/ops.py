@@ -53,6 +53,35 @@ def _logit_grad(logits, targets, lse, ent, g_logprob, g_entropy, temperature):
     return grad.to(logits.dtype)
 
 
+def compiled_or_eager(fn, what, fallback, dynamic=False):
+    """torch.compile'd `fn`, or `fn` itself if compiling it fails at its first call (an architecture or operator
+    inductor cannot handle): a warning naming `what` (fallback: (the feature, how it then runs)), and the run goes
+    on with that part uncompiled (same numbers, uncompiled kernels). Out of memory is not a compile failure and is
+    raised."""
+    compiled = torch.compile(fn, fullgraph=False, dynamic=dynamic)
+    chosen = []
+
+    def call(*args):
+        if not chosen:
+            try:
+                out = compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 (any compiler error)
+                import warnings
+
+                warnings.warn(f"{fallback[0]}: torch.compile failed on {what} ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:200] if str(error) else ''}); running it uncompiled "
+                              f"({fallback[1]}) instead")
+                chosen.append(fn)
+                return fn(*args)
+            chosen.append(compiled)
+            return out
+        return chosen[0](*args)
+
+    return call
+
+
 COMPILE_LOGPROBS = True  # on a CUDA GPU: _row_stats and _logit_grad each one Triton kernel or two (torch.compile)
 _COMPILED = {}
 
@@ -60,8 +89,9 @@ _COMPILED = {}
 def _fused(fn, tensor):
     if not (COMPILE_LOGPROBS and tensor.is_cuda):
         return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    if fn not in _COMPILED:  # dynamic: one kernel for every chunk and micro-batch shape
+        _COMPILED[fn] = compiled_or_eager(fn, fn.__name__, ("logprobs_and_entropy", "its passes as separate kernels"),
+                                          dynamic=True)
     return _COMPILED[fn]
 
 
