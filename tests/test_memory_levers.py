@@ -13,7 +13,7 @@ from helpers import metrics_of
 from utils import toy
 from utils.cli import UsageError
 from utils.offload import ParamOffload, enable_activation_offload, resolve_offload_modules
-from utils.ops import (batched_completion_logprobs, chunked_logprobs, completion_logprobs, entropy_from_logits,
+from utils.ops import (batched_completion_logprobs, chunked_logprobs, completion_logprobs, logprobs_and_entropy,
                        plan_micro_batches)
 from utils.optim import build_optimizer
 
@@ -73,10 +73,13 @@ def test_chunked_logprobs_against_a_direct_computation():
 
 
 def test_checkpointed_entropy_has_the_same_gradient():
+    """--entropy_checkpointing's mode gives the entropy's gradient of the plain one (logprobs_and_entropy keeps no
+    softmax in either)."""
     logits = torch.randn(4, 6, 13, requires_grad=True)
+    targets = torch.randint(0, 13, (4, 6))
     grads = []
-    for fn in (entropy_from_logits,
-               lambda z: torch.utils.checkpoint.checkpoint(entropy_from_logits, z, use_reentrant=False)):
+    for fn in (lambda z: logprobs_and_entropy(z, targets, 1.0, "grad")[1],
+               lambda z: logprobs_and_entropy(z, targets, 1.0, "checkpointed")[1]):
         logits.grad = None
         fn(logits).sum().backward()
         grads.append(logits.grad.clone())

@@ -4,8 +4,8 @@ import torch
 
 from utils import toy
 from utils.generation import build_generation_config, completion_ids_and_mask, generate_completions
-from utils.ops import (batched_completion_logprobs, completion_logprobs, plan_micro_batches, entropy_from_logits, masked_mean,
-                       selective_log_softmax)
+from utils.ops import (batched_completion_logprobs, completion_logprobs, logprobs_and_entropy, masked_mean,
+                       plan_micro_batches)
 
 
 @pytest.fixture(scope="module")
@@ -16,15 +16,16 @@ def tiny():
     return tokenizer, model
 
 
-def test_selective_log_softmax_and_entropy():
+def test_logprobs_and_entropy_against_log_softmax_and_p_log_p():
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 11) * 4
     index = torch.randint(0, 11, (3, 5))
     ref = torch.log_softmax(logits.double(), -1).gather(-1, index[..., None]).squeeze(-1)
-    torch.testing.assert_close(selective_log_softmax(logits, index).double(), ref, rtol=1e-5, atol=1e-5)
+    logprobs, entropy = logprobs_and_entropy(logits, index, 1.0, "metric")
+    torch.testing.assert_close(logprobs.double(), ref, rtol=1e-5, atol=1e-5)
     p = torch.softmax(logits.double(), -1)
     ent_ref = -(p * torch.log(p)).sum(-1)
-    torch.testing.assert_close(entropy_from_logits(logits).double(), ent_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ent_ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,8 +35,6 @@ def test_logprobs_and_entropy_and_their_written_out_gradients_equal_autograd_in_
     against log_softmax and -sum p log p in float64 through autograd: values, and the gradient of a loss mixing
     both, on a non-contiguous [B, C, V] view as completion_logprobs passes it; the metric entropy has no gradient
     and leaves the logprob's gradient as it is."""
-    from utils.ops import logprobs_and_entropy
-
     torch.manual_seed(0)
     full = (torch.randn(3, 6, 50) * 3).to(dtype).requires_grad_()
     logits = full[:, :-1]  # [3, 5, 50], a view

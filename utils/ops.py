@@ -7,22 +7,6 @@ from utils.memory import fake_oom_check
 from utils.placement import model_input_device
 
 
-def selective_log_softmax(logits, index):
-    """log_softmax(logits)[..., index] without materialising the full log-softmax.
-
-    logits: [B, T, V] (any float dtype; computed in fp32), index: [B, T] -> [B, T] fp32."""
-    logits = logits.float()
-    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) along the last axis, in fp32: logsumexp(z) - sum(p * z)."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
-
-
 def _row_stats(logits, targets, temperature):
     """logits [..., V], targets [...] -> per row, in float32: logsumexp, the target's logit, and E_p[z] (z: the logits
     over the temperature; entropy = logsumexp - E_p[z]). One read of the logits when compiled."""
