@@ -461,8 +461,10 @@ def test_generation_copy_is_the_bf16_policy_and_follows_its_updates():
 def test_building_the_generation_copy_allocates_only_the_tensors_it_holds_of_its_own(tied, monkeypatch):
     """The copy is built on the meta device: a bf16 policy's copy (every weight the policy's own storage) makes no
     storage for any weight while it is built and refreshed, only its buffers (built on the device, it held a whole
-    bf16 model until the policy's tensors replaced it: 15.2 GB at 7b); a float32 policy's copy makes one bf16
-    tensor per weight, an LM head tied to the embedding one tensor with it, as in the policy."""
+    bf16 model until the policy's tensors replaced it: 15.2 GB at 7b); a float32 policy's copy makes a bf16
+    tensor per weight, an LM head tied to the embedding one tensor with it, as in the policy, all of them views of
+    one allocation per rank (matrices, vectors): two storages, and the fused q/k/v and gate/up weights are views of
+    it too, no storage of their own."""
     from copy import deepcopy
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -470,12 +472,12 @@ def test_building_the_generation_copy_allocates_only_the_tensors_it_holds_of_its
     import utils.generation as generation
     from utils.generation import generation_copy
 
-    monkeypatch.setattr(generation, "FUSE_PROJECTIONS", False)  # fused groups are storage of their own (tested apart)
+    assert generation.FUSE_PROJECTIONS  # fused groups are views of the copy's storage: counted here too
 
     class NewStorage(TorchDispatchMode):  # bytes of every storage an op's output makes anew
         def __init__(self, known):
             super().__init__()
-            self.known, self.bytes = set(known), 0
+            self.known, self.bytes, self.large = set(known), 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -485,6 +487,7 @@ def test_building_the_generation_copy_allocates_only_the_tensors_it_holds_of_its
                     if ptr not in self.known:
                         self.known.add(ptr)
                         self.bytes += t.untyped_storage().nbytes()
+                        self.large += t.untyped_storage().nbytes() > 1024  # not a scalar constant
             return out
 
     model, *_ = _model_and_prompts()
@@ -504,7 +507,16 @@ def test_building_the_generation_copy_allocates_only_the_tensors_it_holds_of_its
     with NewStorage(t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]) as seen:
         copy = generation_copy(model)  # float32: bf16 tensors of its own
     assert (copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()) == tied
-    assert weight_bytes <= seen.bytes <= weight_bytes + buffer_bytes + 1024, (seen.bytes, weight_bytes)
+    tensors = len(list(copy.parameters()))  # each starts at a multiple of FLAT_ALIGN elements (bf16: 2 bytes each)
+    padding = tensors * 2 * (generation.FLAT_ALIGN - 1)
+    assert weight_bytes <= seen.bytes <= weight_bytes + buffer_bytes + padding + 1024, (seen.bytes, weight_bytes)
+    buffer_storages = len({b.untyped_storage().data_ptr() for b in copy.buffers()})
+    assert seen.large <= 2 + buffer_storages, (seen.large, buffer_storages)  # matrices' and vectors' allocations
+    attention = copy.model.layers[0].self_attn
+    assert type(attention.q_proj).__name__ == "_GroupFirst"  # fused, over the flat allocation
+    group = attention.q_proj._lean_rl_group_weight
+    assert group.untyped_storage().data_ptr() == attention.k_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(group, torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]))
     expected = {name: p.to(torch.bfloat16) for name, p in model.state_dict().items()}
     assert all(torch.equal(p, expected[name]) for name, p in copy.state_dict().items())
 

@@ -669,7 +669,8 @@ def _fuse_projections(copy):
     the projections' weights (views: generation_copy's refresh writes each as before) and one product per call:
     decoding at 128 rows, q/k/v were three small products per layer (0.45 ms of a 1.5b step's 3.07 ms of
     kernels on an H200, 2026-12-03) and gate/up two. The same products, column for column (up to the matrix
-    kernel's summation order). A group is made one module at a time, so building it holds one group twice.
+    kernel's summation order). The group's weight is the projections' own storage where _materialise laid them out
+    one after the other (no memory of its own); else (a size off FLAT_ALIGN, a bias of the policy's) a new tensor.
     Inputs of more than FUSE_MAX_TOKENS tokens (prefills) take each projection's own product."""
     for module in copy.modules():
         for names in FUSED_GROUPS:
@@ -682,8 +683,14 @@ def _fuse_projections(copy):
             if (len({p.in_features for p in group}) != 1 or any((p.bias is not None) != has_bias for p in group)
                     or len({(p.weight.dtype, p.weight.device) for p in group}) != 1):
                 continue
-            weight = torch.cat([p.weight.detach() for p in group])  # [sum of outputs, in]
-            bias = torch.cat([p.bias.detach() for p in group]) if has_bias else None
+            # [sum of outputs, in]: the projections' own storage where they lie one after the other (_materialise's
+            # flat allocation), else a new tensor
+            weight = _adjacent([p.weight.detach() for p in group])
+            weight = torch.cat([p.weight.detach() for p in group]) if weight is None else weight
+            bias = None
+            if has_bias:
+                bias = _adjacent([p.bias.detach() for p in group])
+                bias = torch.cat([p.bias.detach() for p in group]) if bias is None else bias
             stash, start = _Stash(), 0
             for i, p in enumerate(group):
                 # a bias that was the policy's (LoRA on a bf16 base adapts the weight only) becomes the copy's own
@@ -719,12 +726,18 @@ def _materialise_int8(copy, sources, device):
 
 
 def _materialise(copy, sources, device, in_place=False):
-    """The meta parameters of a copy built on the meta device -> empty bf16 tensors on `device` (filled by
+    """The meta parameters of a copy built on the meta device -> empty tensors on `device` (filled by
     generation_copy; those the copy will hold as the policy's own, _shareable's, left on the meta device until
     _share_policy_tensors), the buffers the policy's. Parameters that are one tensor in the policy (an LM head
     tied to the embedding), neither adapted, are one tensor in the copy too: a copy built without weight
-    initialisation is not tied, and held a tied 1.5b's embedding twice (0.47 GB)."""
-    made = {}  # id of the policy's tensor -> the copy's tensor on the device
+    initialisation is not tied, and held a tied 1.5b's embedding twice (0.47 GB).
+
+    The tensors made are views of one flat allocation per dtype and rank, in the modules' order, each
+    starting at a multiple of FLAT_ALIGN elements: one allocation instead of one per tensor (338 at 1.5b,
+    ~27 ms of a rollout's start when --empty_cache_between_phases hands the memory back, H200 profile
+    2026-12-06), and a fused group's projections (q, k, v; gate, up), one after the other there, are one
+    tensor without a copy (_adjacent)."""
+    made, todo = {}, []  # id of the policy's tensor -> the copy's tensor; (module, name, policy's tensor or None)
     for name, module in copy.named_modules():
         source = sources[name]
         for pname, param in list(module._parameters.items()):
@@ -732,11 +745,41 @@ def _materialise(copy, sources, device, in_place=False):
                 continue
             tensor = None if hasattr(source, "lora_A") else source._parameters.get(pname)
             if tensor is None or id(tensor) not in made or made[id(tensor)].shape != param.shape:
-                made[id(tensor)] = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                made[id(tensor)] = param  # meta for now
+                todo.append((param, tensor))
             module._parameters[pname] = made[id(tensor)]
+    flat, offsets = {}, []  # (dtype, matrix?) -> elements so far; each tensor's offset there
+    for param, _ in todo:
+        key = (param.dtype, param.dim() > 1)
+        offsets.append(flat.get(key, 0))
+        flat[key] = offsets[-1] + -(-param.numel() // FLAT_ALIGN) * FLAT_ALIGN
+    flat = {key: torch.empty(size, dtype=key[0], device=device) for key, size in flat.items()}
+    real = {}  # meta parameter -> its view of the flat allocation
+    for (param, _), offset in zip(todo, offsets):
+        view = flat[(param.dtype, param.dim() > 1)][offset:offset + param.numel()].view(param.shape)
+        real[id(param)] = torch.nn.Parameter(view, requires_grad=False)
+    for name, module in copy.named_modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and id(param) in real:
+                module._parameters[pname] = real[id(param)]
         for bname, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 module._buffers[bname] = sources[name]._buffers[bname].detach().clone().to(device)
+
+
+FLAT_ALIGN = 64  # elements (128 bytes in bf16): each of the copy's own tensors starts aligned in its flat allocation
+
+
+def _adjacent(tensors):
+    """One tensor over `tensors` (of one shape but the first dimension) when they lie one after the other in one
+    storage, as _materialise lays out a group's projections, else None: their concatenation without a copy."""
+    first, end = tensors[0], tensors[0].storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != end or t.shape[1:] != first.shape[1:]):
+            return None
+        end += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 def _no_init_weights():
