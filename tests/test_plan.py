@@ -45,8 +45,12 @@ def test_estimate_against_a_hand_calculation_for_the_tiny_model():
     assert comp["generate/kv_cache"] == 8 * 16 * 2 * 2 * 2 * 16 * 2 == 32_768
     # activations without checkpointing: 2 layers x 64 tokens (4 rows x 16) x (34 x 64 + 8 x 256) bytes
     assert comp["update/activations"] == 2 * 64 * (34 * 64 + 8 * 256) == 540_672
-    # logits: 4 rows x 7 positions x vocab 100 x 14 bytes, plus the hidden states at those positions in fp32
-    assert comp["update/logits"] == 4 * 7 * 100 * 14 + 4 * 7 * 64 * 4
+    # logits: 4 rows x 7 positions x vocab 100 x 8 bytes (the logits and, in backward, their gradient, both float32
+    # here without autocast: utils/ops.py's Function), plus the hidden states at those positions in fp32; 14 bytes
+    # for the runs measured before that Function (autograd's graph over a float32 copy)
+    assert comp["update/logits"] == 4 * 7 * 100 * 8 + 4 * 7 * 64 * 4
+    before = estimate(load_shape(None), args, "grpo", logits_fused=False)["components"]
+    assert before["update/logits"] == 4 * 7 * 100 * 14 + 4 * 7 * 64 * 4
     static = params * 4 + params * 8 + params * 2
     update = static + params * 4 + comp["update/activations"] + comp["update/logits"]
     assert est["phases"]["actor_update"] == update == est["peak_allocated"]
@@ -419,7 +423,7 @@ def test_reward_pass_counted_at_its_own_batch_and_the_compiled_reference_pass_as
     (utils/rewards.py batches them so, whatever the micro-batch): 12 bytes per token x intermediate, the same at
     micro-batches of 4 and 64. A compiled no-grad reference pass peaks at the larger of a layer's MLP outputs (gate, up,
     their product: 6 bytes) and the LM head's chunk; eager (LoRA) both are counted."""
-    from utils.plan import LOGIT_BYTES_NO_GRAD, REWARD_BATCH_ROWS
+    from utils.plan import LOGIT_COPIES_FUSED, REWARD_BATCH_ROWS
 
     shape = load_shape("qwen2.5-1.5b")
     T = 256 + 512
@@ -428,7 +432,7 @@ def test_reward_pass_counted_at_its_own_batch_and_the_compiled_reference_pass_as
     small, large = (estimate(shape, script_args("ppo", WORKLOAD_PPO + flags + ["--per_device_train_batch_size", b]),
                              "ppo") for b in ("4", "64"))
     assert small["components"]["reward/pass"] == large["components"]["reward/pass"] == REWARD_BATCH_ROWS * T * shape.inter * 12
-    head = 1024 * shape.vocab * LOGIT_BYTES_NO_GRAD
+    head = 1024 * shape.vocab * LOGIT_COPIES_FUSED * 2  # bf16 logits
     assert small["components"]["ref/logits"] == max(head, 4 * T * shape.inter * 6) == head
     assert large["components"]["ref/logits"] == max(head, 64 * T * shape.inter * 6) == 64 * T * shape.inter * 6
     lora = estimate(shape, script_args("grpo", WORKLOAD_GRPO + ["--use_lora", "--logprob_chunk_size", "1024",
@@ -442,7 +446,7 @@ def test_a_checkpointed_compiled_update_counts_an_untied_head_apart_from_a_layer
     recompute. For an untied head (7b) under --torch_compile, the update phase holds the weights, moments and
     gradients, the saved layer inputs and the larger of a layer's activations and the head's part, all computed here
     by hand from the shape; a tied head (1.5b) and eager layers keep the two summed."""
-    from utils.plan import LAYER_ACT_HIDDEN, LAYER_ACT_INTER, LAYER_ACT_INTER_COMPILED, LOGIT_BYTES
+    from utils.plan import LAYER_ACT_HIDDEN, LAYER_ACT_INTER, LAYER_ACT_INTER_COMPILED, LOGIT_COPIES_FUSED
 
     T, C, rows = 256 + 512, 512, 32
     for name, compiled in (("qwen2.5-7b", True), ("qwen2.5-1.5b", True), ("qwen2.5-7b", False)):
@@ -457,7 +461,7 @@ def test_a_checkpointed_compiled_update_counts_an_untied_head_apart_from_a_layer
         saved = shape.layers * tokens * shape.hidden * 2
         layer = tokens * (LAYER_ACT_HIDDEN * shape.hidden
                           + (LAYER_ACT_INTER_COMPILED if compiled else LAYER_ACT_INTER) * shape.inter)
-        head = 1024 * shape.vocab * LOGIT_BYTES + rows * (C + 1) * shape.hidden * 4 + 2 * shape.vocab * shape.hidden * 2
+        head = 1024 * shape.vocab * LOGIT_COPIES_FUSED * 2 + rows * (C + 1) * shape.hidden * 4 + 2 * shape.vocab * shape.hidden * 2
         apart = compiled and not shape.tied
         expected = 2 * weights + moments + saved + (max(layer, head) if apart else layer + head)
         assert est["phases"]["actor_update"] == pytest.approx(expected, rel=0.01), name

@@ -47,6 +47,13 @@ LAYER_ACT_HIDDEN, LAYER_ACT_INTER = 34, 8
 # row without checkpointing (micro-batches of 2, 2026-12-03) updated at 56.88 GiB allocated against 61.02 estimated
 LAYER_ACT_INTER_COMPILED = 4
 LOGIT_BYTES, LOGIT_BYTES_NO_GRAD = 14, 10
+# counted, not fitted: since the logprobs and entropy come from one autograd Function (utils/ops.py
+# logprobs_and_entropy, 2026-12-06) a chunk holds its logits and, in backward, their gradient, in the logits' dtype
+# (bf16 under autocast or bf16 weights: 4 bytes; float32 without autocast: 8), no float32 copy or probabilities; a
+# no-grad chunk as many at most. Checked by the 1.5b 24GB row's flags measured before and after on one H100 (update
+# 17.62 -> 15.76 GiB allocated, 16.84 estimated; ref 9.98 -> 9.33, 9.24 estimated). The constants above are those
+# of the runs measured before (logits_fused=False), all under autocast
+LOGIT_COPIES_FUSED = 2
 RESERVED_SLACK = 0.08
 # --empty_cache_between_phases hands the cached blocks back after every phase, so a phase's peak meets less
 # of the earlier phases' fragments: set (not held out) from the budget rows run with it, all decoding with
@@ -252,13 +259,15 @@ def _other_gpu(device) -> bool:
 
 
 def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True, updates_apart=True,
-             swapped_moments_for_step=True) -> dict:
+             swapped_moments_for_step=True, logits_fused=True) -> dict:
     """Bytes per component and per phase for one process. `args`: the script's Args (flags). copy_shares=False:
     a generation copy that holds its own copy of every tensor (as before 2026-12-02; the runs measured then).
     updates_apart=False: PPO's actor and critic passes interleaved per micro-batch, both roles' gradients alive
     in both update phases (train_ppo.py before 2026-12-03 9d89c71; the PPO runs measured then).
     swapped_moments_for_step=False: a --critic_device swap critic's moments on the GPU for its whole update phase
     (before --optimizer_offload's OptimizerSwap took them, 2026-12-03; the three swap runs measured then).
+    logits_fused=False: the logprobs and entropy through autograd's graph over float32 logits (before the
+    logprobs_and_entropy Function, 2026-12-06; every run measured before).
     Roles placed on another GPU (`--ref_device cuda:1`, `--critic_device cuda:1`) are left out of the
     phases (the first GPU's) and counted in `other_gpus`: {device: estimated peak reserved bytes}."""
     P, C = args.max_prompt_length, args.max_completion_length
@@ -351,7 +360,9 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     else:
         comp["update/activations"] = shape.layers * layer_act
     chunk = min(args.logprob_chunk_size or positions, positions)
-    comp["update/logits"] = chunk * shape.vocab * LOGIT_BYTES + positions * shape.hidden * 4
+    logit_bytes = 4 if train_bytes == 4 and not mixed else 2  # the LM head's output dtype
+    comp["update/logits"] = chunk * shape.vocab * (LOGIT_COPIES_FUSED * logit_bytes if logits_fused
+                                                   else LOGIT_BYTES) + positions * shape.hidden * 4
     if args.logprob_chunk_size and not args.use_lora:  # the head's weight gradient, summed over chunks
         comp["update/logits"] += 2 * shape.vocab * shape.hidden * train_bytes
     # a no-grad pass keeps no activations: a layer's peak is its MLP's [tokens, intermediate] bf16 tensors, the LM
@@ -361,7 +372,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     # (--torch_compile; the reference is compiled too): gate's, up's and their product's outputs, freed inside the
     # layer's graph before the head runs, so the larger of the two (their sum had the 1.5b rows at micro-batches of
     # 16-32 with chunks of 1024 at +5% to +9%, 2026-12-03; every measured reference phase is within 3.3% with this)
-    head_chunk = chunk * shape.vocab * LOGIT_BYTES_NO_GRAD
+    head_chunk = chunk * shape.vocab * (LOGIT_COPIES_FUSED * logit_bytes if logits_fused else LOGIT_BYTES_NO_GRAD)
     compiled_layers = args.torch_compile and not args.use_lora  # LoRA under --torch_compile: not measured, summed
     no_grad_mlp = tokens * shape.inter * (6 if compiled_layers else 4)
     comp["ref/logits"] = max(head_chunk, no_grad_mlp) if compiled_layers else head_chunk + no_grad_mlp
@@ -1688,6 +1699,35 @@ BUDGET_RUNS += [
          peak_reserved_gib=9.44, step_time_s=6.53, copy_shared=True, gpu="h100", copy_fused=True,
          flags=_BF16_12GB_COPY),
 ]
+_QLORA_24GB = ("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 1024 --prefill_chunk_size 64 "
+               "--generation_backend compiled --generation_copy --generation_copy_dtype int8 "
+               "--empty_cache_between_phases --per_device_train_batch_size 32").split()
+_LORA_24GB = ("--use_lora --torch_dtype bfloat16 --use_gradient_checkpointing --activation_offload --logprob_chunk_size "
+              "256 --generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled --generation_copy "
+              "--generation_copy_in_place --empty_cache_between_phases --per_device_train_batch_size 16").split()
+BUDGET_RUNS += [
+    # 2026-12-06 (stop 44), one H100 80GB HBM3, 3 steps (median of steps 2-3), `python benchmarks/budget.py --rows ROW
+    # --steps 3`, each row run from main (edbeef1: the logprobs_and_entropy Function, logits_fused=True) and from
+    # f266fff (the graph before it) on the same machine. 1.5b 24GB: 5.95 -> 5.41 s (update 3.11 -> 2.71, ref 0.71 ->
+    # 0.62, generate 2.08 -> 2.03), 18.77 -> 16.66 GiB (update 17.62 -> 15.76 allocated); the run before repeats
+    # stop 42's (5.95 s, 18.82 GiB) and is not listed again. The fused constants were counted and checked on the
+    # 1.5b run (fitted, for memory). 7b QLoRA 24GB: 21.13 -> 20.70 s (update 11.19 -> 10.97), 19.55 GiB both (peak
+    # in generate). 7b LoRA 24GB: 24.27 -> 23.95 s (update 11.42 -> 10.85, ref 3.09 -> 2.89, generate 9.69 ->
+    # 10.16), 19.63 -> 19.81 GiB (peak in the update, 18.79 allocated both)
+    dict(row="1.5b_full_24gb, logprob Function (H100)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=16.66,
+         step_time_s=5.41, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, fitted=True,
+         flags=("--use_gradient_checkpointing --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
+                "--optimizer_offload --generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="7b_qlora_24gb before the logprob Function (H100)", shape="qwen2.5-7b", algo="grpo",
+         peak_reserved_gib=19.55, step_time_s=21.13, copy_shared=True, gpu="h100", copy_fused=True, flags=_QLORA_24GB),
+    dict(row="7b_qlora_24gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=19.55,
+         step_time_s=20.70, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, flags=_QLORA_24GB),
+    dict(row="7b_lora_24gb before the logprob Function (H100)", shape="qwen2.5-7b", algo="grpo",
+         peak_reserved_gib=19.63, step_time_s=24.27, copy_shared=True, gpu="h100", copy_fused=True, flags=_LORA_24GB),
+    dict(row="7b_lora_24gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=19.81,
+         step_time_s=23.95, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, flags=_LORA_24GB),
+]
 
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
 # memory as fitted (`time out`), their step time as held out
@@ -1846,12 +1886,15 @@ def as_measured(flags=None, row=None):
     """estimate's keywords for a measured run, as the code was when it ran: a BUDGET_RUNS row's own marks
     (copy_shared=True: the generation copy held the policy's bf16 tensors; updates_apart=True: PPO's actor and
     critic updated one after the other; critic_moments_whole_phase=True: a swapped critic's moments on the GPU for
-    its whole update), or for a run given by its flags, those of the BUDGET_RUNS rows with the same flags; a run
-    without the first two was measured before those changes."""
+    its whole update; logits_fused=True: the logprobs and entropy through utils/ops.py's Function), or for a run given
+    by its flags, those of the BUDGET_RUNS rows with the same flags; a run without the first two was measured before
+    those changes."""
     rows = [row] if row is not None else [r for r in BUDGET_RUNS if r["flags"] == list(flags)]
     return dict(copy_shares=any(r.get("copy_shared", False) for r in rows),
                 updates_apart=any(r.get("updates_apart", False) for r in rows),
-                swapped_moments_for_step=not any(r.get("critic_moments_whole_phase", False) for r in rows))
+                swapped_moments_for_step=not any(r.get("critic_moments_whole_phase", False) for r in rows),
+                # only a row's own mark: a run given by its flags alone was measured before 2026-12-06
+                logits_fused=row is not None and row.get("logits_fused", False))
 
 
 def time_as_measured(row=None):
