@@ -10,6 +10,8 @@
                                                    # then with --unfused_projections (q/k/v, gate/up as 5 products)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --attention_splits 1
                                                    # the decoding-attention kernel unsplit (one program per row and head)
+    python benchmarks/decode_step.py --backends compiled --dtypes fp32 --short 400 --long 512 --generation_copy \
+        --max_autotune                             # the step's matrix products autotuned by inductor (side by side)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
                                                    # the workload's 768-position cache, and where the time goes
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora,lora --rows 32,64,128
@@ -74,6 +76,10 @@ def main(argv=None):
                         help="with --generation_copy: the copy's q/k/v and gate/up as one product each, not fused "
                              "into one per group (utils/generation.py FUSE_PROJECTIONS, on by default since "
                              "2026-12-05), for a side-by-side run")
+    parser.add_argument("--max_autotune", action="store_true",
+                        help="the compiled backend's step compiled with inductor's max_autotune (its matrix products "
+                             "autotuned over Triton templates and cuBLAS; utils/generation.py DECODE_COMPILE_OPTIONS), "
+                             "for a side-by-side run; its first rollout compiles for minutes")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
@@ -104,6 +110,9 @@ def main(argv=None):
             parser.error("--unfused_projections: the copy's projections, so with --generation_copy")
         import utils.generation as generation
         generation.FUSE_PROJECTIONS = False
+    if args.max_autotune:
+        import utils.generation as generation
+        generation.DECODE_COMPILE_OPTIONS = {"max_autotune": True}
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     config = shape_config(args.shape)

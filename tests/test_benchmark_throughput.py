@@ -85,6 +85,23 @@ def test_decode_step_benchmark_runs_on_the_cpu(capsys, monkeypatch):
         assert message in capsys.readouterr().err
 
 
+def test_decode_step_max_autotune_sets_the_decoding_steps_compile_options(capsys, monkeypatch):
+    """--max_autotune sets utils/generation.py's DECODE_COMPILE_OPTIONS (the compiled step's forward takes them:
+    tests/test_generation.py) and the run goes on; without it they stay inductor's defaults."""
+    import utils.generation as generation
+    from benchmarks import decode_step
+
+    monkeypatch.setattr(generation, "DECODE_COMPILE_OPTIONS", None)  # --max_autotune sets it; restored after
+    tiny = ["--shape", "tiny", "--rows", "2", "--prompt_length", "4", "--short", "2", "--long", "4",
+            "--backends", "static", "--dtypes", "fp32"]
+    decode_step.main(tiny)
+    assert generation.DECODE_COMPILE_OPTIONS is None
+    decode_step.main(tiny + ["--max_autotune"])
+    assert generation.DECODE_COMPILE_OPTIONS == {"max_autotune": True}
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if "ms per step" in line] == [
+        "static", "static"]
+
+
 def test_decode_step_benchmark_decodes_lora_and_qlora_by_rows_on_the_cpu(capsys, tmp_path):
     """--dtypes lora,qlora: the random model saved once and loaded as the scripts load --use_lora (NF4 for
     qlora) with r16 adapters; one line per row count of --rows."""

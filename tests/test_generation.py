@@ -457,6 +457,31 @@ def test_generation_copy_is_the_bf16_policy_and_follows_its_updates():
         "generation_copy" in name for name in model.state_dict())
 
 
+def test_the_compiled_decoding_steps_forward_alone_takes_decode_compile_options(monkeypatch):
+    """DECODE_COMPILE_OPTIONS (benchmarks/decode_step.py --max_autotune) reach torch.compile for the compiled
+    step's forward and nothing else (the token pick keeps inductor's defaults); unset, the forward has the defaults
+    too. torch.compile is recorded and the functions run uncompiled: the same tokens either way."""
+    import utils.generation as generation
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    seen = []
+
+    def recorded(fn, **kwargs):
+        seen.append(kwargs.get("options"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    outputs = []
+    for options in (None, {"max_autotune": True}):
+        monkeypatch.setattr(generation, "DECODE_COMPILE_OPTIONS", options)
+        seen.clear()
+        model.__dict__.pop("_lean_rl_decoder", None)  # a kept decoder would not be compiled again
+        outputs.append(generation.static_cache_generate(model, ids, mask, 6, 1.0, 1.0, 0, [tokenizer.eos_token_id],
+                                                        tokenizer.pad_token_id, step_mode="compiled", greedy=True))
+        assert seen == [options, None], seen  # the forward's, then the pick's
+    assert torch.equal(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_building_the_generation_copy_allocates_only_the_tensors_it_holds_of_its_own(tied, monkeypatch):
     """The copy is built on the meta device: a bf16 policy's copy (every weight the policy's own storage) makes no

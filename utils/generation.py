@@ -179,6 +179,12 @@ def _pick(logits, temperature, top_k, top_p, greedy, uniform=None):
     return token, logprob
 
 
+# inductor options of the compiled decoding step's forward (None: inductor's defaults). The step's matrix products
+# at 128 rows ran at about half the bandwidth floor (H100 profile of the 1.5b 24GB row, 2026-12-06: 0.95 s of a
+# 2.03 s rollout in cuBLAS kernels reading 3.1 GB a step); benchmarks/decode_step.py --max_autotune sets
+# {"max_autotune": True} (inductor's GEMM autotuning over its Triton templates and cuBLAS) to measure whether that
+# helps, side by side. Not measured yet; not used by the training scripts
+DECODE_COMPILE_OPTIONS = None
 # what a compile failure in the decoding step falls back to (compiled_or_eager's warning)
 GENERATION_FALLBACK = "--generation_backend compiled", "as --generation_backend cudagraph runs it"
 _CAPTURED_BEFORE = set()  # (model class, device, _decoder's key) of every decoding step captured in this process
@@ -215,7 +221,7 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
 
     pick = _pick
     if step_mode == "compiled":  # fused kernels (the graph is captured below); the random draw stays eager
-        forward = compiled_or_eager(forward, "the model's forward", GENERATION_FALLBACK)
+        forward = compiled_or_eager(forward, "the model's forward", GENERATION_FALLBACK, options=DECODE_COMPILE_OPTIONS)
         # the pick's passes over the [B, V] float32 logits (scale, Gumbel noise, argmax, logsumexp) fused: eager they
         # were ~0.3 ms of the 1.5b workload's 3.5 ms step (an H200 profile, 2026-12-03, 128 rows); the same draws
         pick = compiled_or_eager(_pick, "the token pick", GENERATION_FALLBACK)

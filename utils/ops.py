@@ -37,12 +37,12 @@ def _logit_grad(logits, targets, lse, ent, g_logprob, g_entropy, temperature):
     return grad.to(logits.dtype)
 
 
-def compiled_or_eager(fn, what, fallback, dynamic=False):
-    """torch.compile'd `fn`, or `fn` itself if compiling it fails at its first call (an architecture or operator
-    inductor cannot handle): a warning naming `what` (fallback: (the feature, how it then runs)), and the run goes
-    on with that part uncompiled (same numbers, uncompiled kernels). Out of memory is not a compile failure and is
-    raised."""
-    compiled = torch.compile(fn, fullgraph=False, dynamic=dynamic)
+def compiled_or_eager(fn, what, fallback, dynamic=False, options=None):
+    """torch.compile'd `fn` (inductor `options`, if any), or `fn` itself if compiling it fails at its first call (an
+    architecture or operator inductor cannot handle): a warning naming `what` (fallback: (the feature, how it then
+    runs)), and the run goes on with that part uncompiled (same numbers, uncompiled kernels). Out of memory is not a
+    compile failure and is raised."""
+    compiled = torch.compile(fn, fullgraph=False, dynamic=dynamic, options=options)
     chosen = []
 
     def call(*args):
