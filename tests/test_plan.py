@@ -250,6 +250,27 @@ def test_time_model_by_hand_for_one_decoding_step():
     assert slow > 3 * (512 * step)  # 4 slices of 32 rows: 4 x 512 steps, each reading all the weights
 
 
+def test_the_logprob_functions_saving_comes_off_each_pass_through_the_logits_by_hand():
+    """Since utils/ops.py's Function, each pass over every row's logits (128 rows x 513 positions x the vocabulary)
+    costs LOGIT_PASSES_SAVED (update) or LOGIT_PASSES_SAVED_NO_GRAD (reference, old logprobs) bytes a logit less at
+    the bandwidth; logits_fused=False (the runs measured before) gives the old time; generation is untouched; the
+    update pays it once per epoch (--num_iterations 2 also adds an old-logprobs pass that saves it)."""
+    import utils.plan as P
+
+    shape = load_shape("qwen2.5-1.5b")
+    args = _workload(["--torch_dtype", "bfloat16", "--logprob_chunk_size", "1024"])
+    logits = 128 * 513 * shape.vocab / 4.26e12  # s per byte a logit, at the H200's bandwidth
+    new, old = (estimate_time(shape, args, logits_fused=f)["phases"] for f in (True, False))
+    assert old["actor_update"] - new["actor_update"] == pytest.approx(P.LOGIT_PASSES_SAVED * logits, rel=1e-9)
+    assert old["ref"] - new["ref"] == pytest.approx(P.LOGIT_PASSES_SAVED_NO_GRAD * logits, rel=1e-9)
+    assert old["generate"] == new["generate"]
+    two = apply_flags(args, ["--num_iterations", "2"])
+    new, old = (estimate_time(shape, two, logits_fused=f)["phases"] for f in (True, False))
+    assert old["actor_update"] - new["actor_update"] == pytest.approx(2 * P.LOGIT_PASSES_SAVED * logits, rel=1e-9)
+    assert old["old_logprobs"] - new["old_logprobs"] == pytest.approx(P.LOGIT_PASSES_SAVED_NO_GRAD * logits, rel=1e-9)
+    assert time_as_measured()["logits_fused"] is False  # a run without a row: measured before
+
+
 def test_fused_generation_copy_takes_its_per_layer_saving_off_each_decoding_step_only_where_it_fuses():
     """A bf16 copy holding its own q/k/v and gate/up (float32 full training, LoRA merged into a copy, QLoRA) decodes
     FUSED_LAYER_S x 28 layers faster per step, 512 steps a rollout; a copy sharing the policy's bf16 Linears (bf16

@@ -54,6 +54,12 @@ LOGIT_BYTES, LOGIT_BYTES_NO_GRAD = 14, 10
 # 17.62 -> 15.76 GiB allocated, 16.84 estimated; ref 9.98 -> 9.33, 9.24 estimated). The constants above are those
 # of the runs measured before (logits_fused=False), all under autocast
 LOGIT_COPIES_FUSED = 2
+# the time the Function saved (bytes per logit position x vocab and pass, at the bandwidth): an update's forward,
+# recompute and backward of the logits, and a no-grad pass (reference, old logprobs). Fitted: the mean of the three
+# before/after pairs on one H100 (2026-12-06; 1.28e10 logits a step, 128 rows x 513 positions): update 0.40 s (1.5b
+# 24GB), 0.22 (7b QLoRA 24GB), 0.57 (7b LoRA 24GB), ref 0.09, 0.05, 0.20 -- a spread of about +-45% around the mean,
+# not explained by the chunk size (the first two both ran chunks of 1024)
+LOGIT_PASSES_SAVED, LOGIT_PASSES_SAVED_NO_GRAD = 120, 34
 RESERVED_SLACK = 0.08
 # --empty_cache_between_phases hands the cached blocks back after every phase, so a phase's peak meets less
 # of the earlier phases' fragments: set (not held out) from the budget rows run with it, all decoding with
@@ -587,11 +593,13 @@ def _quant_bits(args):
 
 
 def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, engine="single",
-                  copy_fused=True) -> dict:
+                  copy_fused=True, logits_fused=True) -> dict:
     """Seconds per phase of one step after the first (compiles and captures are the first step's), for
     one process on `gpu` (a GPUS entry). Returns {"phases": {phase: s}, "step": s, "unmeasured": [what
     the estimate assumes without a measurement behind it]}. copy_fused=False: as the code was before the
-    generation copy's projections were fused (2026-12-05), for the runs measured then."""
+    generation copy's projections were fused (2026-12-05), for the runs measured then. logits_fused=False: as the
+    logprobs were computed before utils/ops.py's Function (2026-12-06): every run measured before, to which the
+    fitted constants were fitted (the Function's measured saving, LOGIT_PASSES_SAVED, is taken off the others)."""
     gpu = gpu or GPUS["h200"]
     bw, mm, host = gpu["bandwidth"], gpu["matmul"] * MATMUL_EFF, gpu["host"]
     P, C = args.max_prompt_length, args.max_completion_length
@@ -675,6 +683,8 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             t += EMPTY_CACHE_S
         return t
 
+    # the Function's saving per pass over every row's logits (s); 0 for the runs measured before it
+    logit_passes = rows * (C + 1) * shape.vocab / bw if logits_fused else 0.0
     phases = {}
     # generate: a prefill of the prompts, then one decoding step per new token, per slice
     slice_rows = min(args.generation_slice_size or rows, rows)
@@ -734,7 +744,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         elif not lora and args.ref_device == "cpu":
             t = 2 * matmul_params * tokens / 1e12  # a CPU forward: ~1 TFLOP/s (not measured)
             unmeasured.append("the reference on the CPU (~1 TFLOP/s assumed)")
-        phases["ref"] = t
+        phases["ref"] = t - LOGIT_PASSES_SAVED_NO_GRAD * logit_passes
     reward = rows * REWARD_FUNC_S
     if args.reward_model_name_or_path:
         reward += forward(shape.linear_params, bits)
@@ -758,20 +768,22 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
                 2 * memory["critic/weights"] if role == "critic" and critic_swapped else 0)
         unmeasured.append("the optimizer state's copies" + (" and the critic's swap" if critic_swapped else "")
                           + " (the host link's rate assumed both ways)")
+    no_grad_logits = forward(matmul_params, bits if lora else None, with_adapters=lora) \
+        - LOGIT_PASSES_SAVED_NO_GRAD * logit_passes  # a no-grad pass through the LM head's logprobs
     if algo == "ppo":
         phases["values"] = forward(shape.linear_params, bits if lora else None, with_adapters=lora)
-        phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+        phases["old_logprobs"] = no_grad_logits
         if critic_swapped:
             phases["values"] += memory["critic/weights"] / host
     elif args.num_iterations > 1:
-        phases["old_logprobs"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+        phases["old_logprobs"] = no_grad_logits
     elif getattr(args, "top_entropy_quantile", 1.0) < 1:  # the same no-grad pass, run for the tokens' entropy
-        phases["entropy"] = forward(matmul_params, bits if lora else None, with_adapters=lora)
+        phases["entropy"] = no_grad_logits
     if getattr(args, "dynamic_sampling", False):  # at least one round; more depend on the rewards
         unmeasured.append("--dynamic_sampling: one round of generation and rewards per step counted (more rounds "
                           "add their generate and reward time each)")
-    phases["actor_update"] = epochs * update(matmul_params, bits if lora else None, True) \
-        + steps_per_update * host_per_step["actor"] / host
+    phases["actor_update"] = epochs * (update(matmul_params, bits if lora else None, True)
+                                       - LOGIT_PASSES_SAVED * logit_passes) + steps_per_update * host_per_step["actor"] / host
     if algo == "ppo":
         phases["critic_update"] = epochs * update(shape.linear_params, bits if lora else None, False) \
             + steps_per_update * host_per_step["critic"] / host
@@ -1710,8 +1722,9 @@ BUDGET_RUNS += [
     # --steps 3`, each row run from main (edbeef1: the logprobs_and_entropy Function, logits_fused=True) and from
     # f266fff (the graph before it) on the same machine. 1.5b 24GB: 5.95 -> 5.41 s (update 3.11 -> 2.71, ref 0.71 ->
     # 0.62, generate 2.08 -> 2.03), 18.77 -> 16.66 GiB (update 17.62 -> 15.76 allocated); the run before repeats
-    # stop 42's (5.95 s, 18.82 GiB) and is not listed again. The fused constants were counted and checked on the
-    # 1.5b run (fitted, for memory). 7b QLoRA 24GB: 21.13 -> 20.70 s (update 11.19 -> 10.97), 19.55 GiB both (peak
+    # stop 42's (5.95 s, 18.82 GiB) and is not listed again. The fused memory constants were counted and checked on
+    # the 1.5b run; the time saved (LOGIT_PASSES_SAVED) was fitted to all three pairs: the three after-runs are
+    # marked fitted. 7b QLoRA 24GB: 21.13 -> 20.70 s (update 11.19 -> 10.97), 19.55 GiB both (peak
     # in generate). 7b LoRA 24GB: 24.27 -> 23.95 s (update 11.42 -> 10.85, ref 3.09 -> 2.89, generate 9.69 ->
     # 10.16), 19.63 -> 19.81 GiB (peak in the update, 18.79 allocated both)
     dict(row="1.5b_full_24gb, logprob Function (H100)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=16.66,
@@ -1722,11 +1735,13 @@ BUDGET_RUNS += [
     dict(row="7b_qlora_24gb before the logprob Function (H100)", shape="qwen2.5-7b", algo="grpo",
          peak_reserved_gib=19.55, step_time_s=21.13, copy_shared=True, gpu="h100", copy_fused=True, flags=_QLORA_24GB),
     dict(row="7b_qlora_24gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=19.55,
-         step_time_s=20.70, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, flags=_QLORA_24GB),
+         step_time_s=20.70, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, fitted=True,
+         flags=_QLORA_24GB),
     dict(row="7b_lora_24gb before the logprob Function (H100)", shape="qwen2.5-7b", algo="grpo",
          peak_reserved_gib=19.63, step_time_s=24.27, copy_shared=True, gpu="h100", copy_fused=True, flags=_LORA_24GB),
     dict(row="7b_lora_24gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=19.81,
-         step_time_s=23.95, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, flags=_LORA_24GB),
+         step_time_s=23.95, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, fitted=True,
+         flags=_LORA_24GB),
 ]
 
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
@@ -1899,9 +1914,11 @@ def as_measured(flags=None, row=None):
 
 def time_as_measured(row=None):
     """estimate_time's keywords for a measured run: its GPU (a BUDGET_RUNS row's gpu, else the H200) and, unless
-    its row says copy_fused=True, the generation copy unfused (every run before 2026-12-05)."""
+    its row says copy_fused=True, the generation copy unfused (every run before 2026-12-05); unless it says
+    logits_fused=True, the logprobs as before utils/ops.py's Function (every run before 2026-12-06)."""
     row = row or {}
-    return dict(gpu=GPUS[row.get("gpu", "h200")], copy_fused=row.get("copy_fused", False))
+    return dict(gpu=GPUS[row.get("gpu", "h200")], copy_fused=row.get("copy_fused", False),
+                logits_fused=row.get("logits_fused", False))
 
 
 def measured_rows():
