@@ -5,6 +5,7 @@ the enforced cap (--gpu_memory caps the allocator, so one large GPU stands in fo
     python benchmarks/budget.py --rows 1.5b_full_24gb,7b_qlora_24gb --steps 4
     python benchmarks/budget.py --table                           # the table and plot from the rows' JSON files only
     python benchmarks/budget.py --rows 1.5b_full_24gb --shape tiny --steps 2   # CPU smoke test (no cap on a CPU)
+    python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3 --baseline f266fff   # before/after a change
 
 Each row runs train_grpo.py / train_ppo.py on the W-GRPO / W-PPO workload (benchmarks/README.md;
 random-weight models from benchmarks/memory.py) with the row's training mode and `--auto_memory
@@ -12,7 +13,9 @@ random-weight models from benchmarks/memory.py) with the row's training mode and
 (<out>/budget/<row>.json) holds the card, model and mode, the flags the planner chose, its estimated peak
 reserved and step time, the measured peak reserved (max over phases and steps), the median step time
 (steps 2..) and each of those steps (`unsteady` where they differ by more than 30%), completion tokens/s,
-the per-phase times and peak memory, TRL 1.16's figure on the same workload and the row's target; budget.md and budget.png (step time against the card's budget, one line per model and
+the per-phase times and peak memory, TRL 1.16's figure on the same workload and the row's target (with
+`--baseline REV`, also the same row run just before from git revision REV on the same machine: a side-by-side
+before/after, printed and kept in the JSON's `baseline`); budget.md and budget.png (step time against the card's budget, one line per model and
 mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
 sessions add up.
 """
@@ -70,7 +73,7 @@ def reductions(log_text):
                                                                log_text)]
 
 
-def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
+def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None, baseline=None):
     row_shape, script, mode, card, mode_flags, trl, trl_s, target = ROWS[name]
     shape = shape or row_shape
     model_dir, tok_dir, dataset = prepare_inputs(shape, script, steps, cache_dir, on_gpu)
@@ -103,6 +106,8 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
                slowest_phase=slowest, trl=trl,
                trl_step_s=trl_s, target_step_s=target, verdict=verdict, status=result["status"], steps=steps,
                gpu=gpu_name, date=time.strftime("%Y-%m-%d"), command=result["command"])
+    if baseline:
+        row["baseline"] = baseline
     os.makedirs(os.path.join(out, "budget"), exist_ok=True)
     with open(os.path.join(out, "budget", f"{name}.json"), "w") as f:
         json.dump(row, f, indent=1)
@@ -111,6 +116,58 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
           f"{verdict}" + (f" (unsteady: steps 2.. took {', '.join(f'{t:.2f}' for t in times)} s)" if unsteady else ""),
           flush=True)
     return row
+
+
+def baseline_tree(rev, cache_dir):
+    """(folder, full hash): git revision `rev` of this repository written out (git archive) under `cache_dir`,
+    once; None when git cannot name it."""
+    import io
+    import subprocess
+    import tarfile
+
+    found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        return None
+    sha = found.stdout.strip()
+    folder = os.path.join(cache_dir, f"baseline-{sha[:12]}")
+    if not os.path.isfile(os.path.join(folder, "benchmarks", "budget.py")):
+        archive = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", sha], capture_output=True, check=True)
+        os.makedirs(folder, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(folder, filter="data")
+    return folder, sha
+
+
+def run_baseline(name, steps, cache_dir, out, folder, sha, shape=None):
+    """Row `name` run by the baseline's own benchmarks/budget.py (its code throughout, the same cached models and
+    prompts); its JSON (<out>/budget_baseline/budget/<row>.json) as a dict, or one saying it failed."""
+    import subprocess
+
+    base_out = os.path.join(out, "budget_baseline")
+    cmd = [sys.executable, "benchmarks/budget.py", "--rows", name, "--steps", str(steps), "--cache_dir", cache_dir,
+           "--out", base_out] + (["--shape", shape] if shape else [])
+    print(f"[{name}] baseline {sha[:12]}: {' '.join(cmd)}", flush=True)
+    done = subprocess.run(cmd, cwd=folder)
+    path = os.path.join(base_out, "budget", f"{name}.json")
+    if done.returncode != 0 or not os.path.isfile(path):
+        return dict(rev=sha, status=f"failed (exit {done.returncode})")
+    row = json.load(open(path))
+    return dict(rev=sha, status=row["status"], step_time_s=row["step_time_s"], step_times_s=row.get("step_times_s"),
+                peak_reserved_gib=row["peak_reserved_gib"], phases=row["phases"],
+                phase_peaks_gib=row.get("phase_peaks_gib"), planner_flags=row["planner_flags"])
+
+
+def side_by_side(row):
+    """One line: the baseline's step, peak and phases -> this tree's."""
+    base = row["baseline"]
+    if base["status"] != "ok" or row["status"] != "ok":
+        return f"[{row['row']}] baseline {base['rev'][:12]}: {base['status']}; this tree: {row['status']}"
+    phases = ", ".join(f"{p} {fmt(base['phases'].get(p), '.2f')} -> {fmt(t, '.2f')}" for p, t in row["phases"].items())
+    same = "" if base["planner_flags"] == row["planner_flags"] else " (the planner chose other flags)"
+    return (f"[{row['row']}] baseline {base['rev'][:12]} -> this tree: {fmt(base['step_time_s'], '.2f')} -> "
+            f"{fmt(row['step_time_s'], '.2f')} s, peak reserved {fmt(base['peak_reserved_gib'])} -> "
+            f"{fmt(row['peak_reserved_gib'])} GiB; {phases}{same}")
 
 
 def load_rows(out):
@@ -187,17 +244,33 @@ def main(argv=None):
     parser.add_argument("--table", action="store_true", help="only rebuild budget.md and budget.png from the JSON")
     parser.add_argument("--cache_dir", default="/tmp/lean_rl_bench")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run each row from git revision REV (written out under --cache_dir; its own code, "
+                             "the same models, right before this tree's run), print the two side by side and keep the "
+                             "baseline's figures in the row's JSON (`baseline`); its JSON in OUT/budget_baseline/")
     args = parser.parse_args(argv)
     names = args.rows.split(",") if args.rows else list(ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown or args.steps < 2:
         parser.error(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(ROWS)}" if unknown else
                      "--steps must be at least 2 (step 1 compiles and captures)")
-    out = os.path.abspath(args.out)
+    out, cache_dir = os.path.abspath(args.out), os.path.abspath(args.cache_dir)
+    baseline = None
+    if args.baseline and not args.table:
+        baseline = baseline_tree(args.baseline, cache_dir)
+        if baseline is None:
+            parser.error(f"--baseline {args.baseline}: git names no such commit in {ROOT} (a hash, tag or branch of "
+                         "this repository's history)")
     if not args.table:
         on_gpu, gpu_name = device_info()
+        lines = []
         for name in names:
-            run_row(name, args.steps, os.path.abspath(args.cache_dir), out, on_gpu, gpu_name, args.shape)
+            before = run_baseline(name, args.steps, cache_dir, out, *baseline, args.shape) if baseline else None
+            row = run_row(name, args.steps, cache_dir, out, on_gpu, gpu_name, args.shape, baseline=before)
+            if before:
+                lines.append(side_by_side(row))
+        if lines:
+            print("\n" + "\n".join(lines), flush=True)
     rows = write_table(out)
     print("\n" + markdown(rows))
     return rows

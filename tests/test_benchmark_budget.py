@@ -1,6 +1,8 @@
 """benchmarks/budget.py on the CPU (smoke test: the tiny shape, no cap without a GPU)."""
 import json
 
+import pytest
+
 from benchmarks import budget
 
 
@@ -22,6 +24,31 @@ def test_budget_rows_write_their_json_and_the_table(tmp_path):
     (out / "budget" / "budget.md").unlink()
     rows = budget.main(["--table", "--out", str(out)])
     assert [r["row"] for r in rows] == ["1.5b_full_24gb", "ppo_1.5b_24gb"] and (out / "budget" / "budget.md").exists()
+
+
+def test_baseline_runs_each_row_from_the_named_revision_and_keeps_it_beside_this_trees(tmp_path, capsys):
+    """--baseline REV: the row runs first from REV written out of git (its own budget.py and code), then from this
+    tree; the row's JSON keeps the baseline's figures with REV's full hash, and one line compares the two. A name
+    git does not know is refused before anything runs."""
+    import subprocess
+
+    sha = subprocess.run(["git", "-C", budget.ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    budget.main(["--rows", "1.5b_full_24gb", "--shape", "tiny", "--steps", "2", "--out", str(out),
+                 "--cache_dir", str(cache), "--baseline", "HEAD"])
+    row = json.load(open(out / "budget" / "1.5b_full_24gb.json"))
+    base = row["baseline"]
+    assert base["rev"] == sha and base["status"] == "ok" and base["step_time_s"] > 0
+    assert set(base["phases"]) == set(row["phases"]) and base["planner_flags"] == row["planner_flags"]
+    assert (cache / f"baseline-{sha[:12]}" / "benchmarks" / "budget.py").is_file()
+    assert (out / "budget_baseline" / "budget" / "1.5b_full_24gb.json").is_file()
+    text = capsys.readouterr().out
+    assert f"[1.5b_full_24gb] baseline {sha[:12]} -> this tree: " in text and " -> " in text.split("this tree: ")[-1]
+    with pytest.raises(SystemExit) as exit_info:
+        budget.main(["--rows", "1.5b_full_24gb", "--shape", "tiny", "--out", str(out), "--cache_dir", str(cache),
+                     "--baseline", "no-such-revision"])
+    assert exit_info.value.code == 2 and "--baseline no-such-revision: git names no such commit" in capsys.readouterr().err
 
 
 def test_reductions_read_what_the_run_shrank_off_its_log():
