@@ -628,3 +628,26 @@ def test_fused_projections_of_the_generation_copy_on_gpu(step_mode, prefill, mon
     theirs = static_cache_generate(plain, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode, greedy=True)
 
     _assert_as_greedy(plain, ids, mask, ours, theirs, step_mode, "fused", "the unfused copy")
+
+
+def test_max_autotune_decoding_step_keeps_the_greedy_tokens_on_gpu(monkeypatch):
+    """DECODE_COMPILE_OPTIONS = {"max_autotune": True} (benchmarks/decode_step.py --max_autotune): the compiled
+    step compiles with it (no fallback to the uncompiled step) and its greedy rollout is as greedy, by the model's
+    full forward, as the same rollout compiled with inductor's defaults (the first token equal on every row)."""
+    import warnings
+
+    import utils.generation as generation
+    from utils.generation import static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    rollouts = []
+    for options in (None, {"max_autotune": True}):
+        monkeypatch.setattr(generation, "DECODE_COMPILE_OPTIONS", options)
+        model.__dict__.pop("_lean_rl_decoder", None)  # compiled and captured again with these options
+        torch._dynamo.reset()  # the forward's code compiled afresh, not served from the first compile
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rollouts.append(static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad,
+                                                  step_mode="compiled", greedy=True))
+        assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+    _assert_as_greedy(model, ids, mask, rollouts[1], rollouts[0], "compiled", "max_autotune", "the defaults")
