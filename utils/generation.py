@@ -743,7 +743,7 @@ def _materialise(copy, sources, device, in_place=False):
     ~27 ms of a rollout's start when --empty_cache_between_phases hands the memory back, H200 profile
     2026-12-06), and a fused group's projections (q, k, v; gate, up), one after the other there, are one
     tensor without a copy (_adjacent)."""
-    made, todo = {}, []  # id of the policy's tensor -> the copy's tensor; (module, name, policy's tensor or None)
+    made, todo = {}, []  # id of the policy's tensor -> the copy's (meta) parameter; each parameter to make, once
     for name, module in copy.named_modules():
         source = sources[name]
         for pname, param in list(module._parameters.items()):
@@ -752,16 +752,16 @@ def _materialise(copy, sources, device, in_place=False):
             tensor = None if hasattr(source, "lora_A") else source._parameters.get(pname)
             if tensor is None or id(tensor) not in made or made[id(tensor)].shape != param.shape:
                 made[id(tensor)] = param  # meta for now
-                todo.append((param, tensor))
+                todo.append(param)
             module._parameters[pname] = made[id(tensor)]
     flat, offsets = {}, []  # (dtype, matrix?) -> elements so far; each tensor's offset there
-    for param, _ in todo:
+    for param in todo:
         key = (param.dtype, param.dim() > 1)
         offsets.append(flat.get(key, 0))
         flat[key] = offsets[-1] + -(-param.numel() // FLAT_ALIGN) * FLAT_ALIGN
     flat = {key: torch.empty(size, dtype=key[0], device=device) for key, size in flat.items()}
     real = {}  # meta parameter -> its view of the flat allocation
-    for (param, _), offset in zip(todo, offsets):
+    for param, offset in zip(todo, offsets):
         view = flat[(param.dtype, param.dim() > 1)][offset:offset + param.numel()].view(param.shape)
         real[id(param)] = torch.nn.Parameter(view, requires_grad=False)
     for name, module in copy.named_modules():
