@@ -689,14 +689,8 @@ def _fuse_projections(copy):
             if (len({p.in_features for p in group}) != 1 or any((p.bias is not None) != has_bias for p in group)
                     or len({(p.weight.dtype, p.weight.device) for p in group}) != 1):
                 continue
-            # [sum of outputs, in]: the projections' own storage where they lie one after the other (_materialise's
-            # flat allocation), else a new tensor
-            weight = _adjacent([p.weight.detach() for p in group])
-            weight = torch.cat([p.weight.detach() for p in group]) if weight is None else weight
-            bias = None
-            if has_bias:
-                bias = _adjacent([p.bias.detach() for p in group])
-                bias = torch.cat([p.bias.detach() for p in group]) if bias is None else bias
+            weight = _joined([p.weight.detach() for p in group])  # [sum of outputs, in]
+            bias = _joined([p.bias.detach() for p in group]) if has_bias else None
             stash, start = _Stash(), 0
             for i, p in enumerate(group):
                 # a bias that was the policy's (LoRA on a bf16 base adapts the weight only) becomes the copy's own
@@ -742,7 +736,7 @@ def _materialise(copy, sources, device, in_place=False):
     starting at a multiple of FLAT_ALIGN elements: one allocation instead of one per tensor (338 at 1.5b,
     ~27 ms of a rollout's start when --empty_cache_between_phases hands the memory back, H200 profile
     2026-12-06), and a fused group's projections (q, k, v; gate, up), one after the other there, are one
-    tensor without a copy (_adjacent)."""
+    tensor without a copy (_joined)."""
     made, todo = {}, []  # id of the policy's tensor -> the copy's (meta) parameter; each parameter to make, once
     for name, module in copy.named_modules():
         source = sources[name]
@@ -776,14 +770,15 @@ def _materialise(copy, sources, device, in_place=False):
 FLAT_ALIGN = 64  # elements (128 bytes in bf16): each of the copy's own tensors starts aligned in its flat allocation
 
 
-def _adjacent(tensors):
-    """One tensor over `tensors` (of one shape but the first dimension) when they lie one after the other in one
-    storage, as _materialise lays out a group's projections, else None: their concatenation without a copy."""
+def _joined(tensors):
+    """The concatenation of `tensors` (of one shape but the first dimension) along their first dimension: a view of
+    their storage when they lie one after the other in it, as _materialise lays out a group's projections (no copy),
+    else a new tensor (torch.cat)."""
     first, end = tensors[0], tensors[0].storage_offset()
     for t in tensors:
         if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
                 or t.storage_offset() != end or t.shape[1:] != first.shape[1:]):
-            return None
+            return torch.cat(tensors)
         end += t.numel()
     return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 

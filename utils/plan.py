@@ -56,7 +56,7 @@ LOGIT_BYTES, LOGIT_BYTES_NO_GRAD = 14, 10
 LOGIT_COPIES_FUSED = 2
 # the time the Function saved (bytes per logit position x vocab and pass, at the bandwidth): an update's forward,
 # recompute and backward of the logits, and a no-grad pass (reference, old logprobs). Fitted: the mean of the three
-# before/after pairs on one H100 (2026-12-06; 1.28e10 logits a step, 128 rows x 513 positions): update 0.40 s (1.5b
+# before/after pairs on one H100 (2026-12-06; 1.0e10 logits a step, 128 rows x 513 positions x 152k): update 0.40 s (1.5b
 # 24GB), 0.22 (7b QLoRA 24GB), 0.57 (7b LoRA 24GB), ref 0.09, 0.05, 0.20 -- a spread of about +-45% around the mean,
 # not explained by the chunk size (the first two both ran chunks of 1024)
 LOGIT_PASSES_SAVED, LOGIT_PASSES_SAVED_NO_GRAD = 120, 34
