@@ -183,7 +183,11 @@ def _pick(logits, temperature, top_k, top_p, greedy, uniform=None):
 # at 128 rows ran at about half the bandwidth floor (H100 profile of the 1.5b 24GB row, 2026-12-06: 0.95 s of a
 # 2.03 s rollout in cuBLAS kernels reading 3.1 GB a step); benchmarks/decode_step.py --max_autotune sets
 # {"max_autotune": True} (inductor's GEMM autotuning over its Triton templates and cuBLAS) to measure whether that
-# helps, side by side. Not measured yet; not used by the training scripts
+# helps. Measured (H100, 2026-12-06, 1.5b float32 policy with its copy, 128 rows): not worth it. The first rollout
+# autotuned for over 4 minutes (38-52 s per matrix shape, single-process) and was stopped there; for the LM head
+# (0.18 ms of the 3.44 ms step) cuBLAS was already the best of 21 choices (0.1830 ms, the best Triton 0.1827); the
+# per-layer products' best Triton choices (e.g. down 0.0325 against cuBLAS's 0.0399 ms) were timed on their own,
+# in L2. The GPU test (greedy tokens equal the defaults') passed. Not used by the training scripts
 DECODE_COMPILE_OPTIONS = None
 # what a compile failure in the decoding step falls back to (compiled_or_eager's warning)
 GENERATION_FALLBACK = "--generation_backend compiled", "as --generation_backend cudagraph runs it"
