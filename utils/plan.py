@@ -1744,6 +1744,34 @@ BUDGET_RUNS += [
          flags=_LORA_24GB),
 ]
 
+BUDGET_RUNS += [
+    # 2026-12-06 (stop 45), one H100 80GB HBM3, held out: rows rerun as --auto_memory plans them today (3 steps,
+    # median of steps 2-3, `python benchmarks/budget.py --rows ROW --steps 3`; benchmarks/results/stop45_h100/). The
+    # 1.5b 12GB and 7b LoRA 24GB plans moved to --logprob_chunk_size 1024 with the logits memory of 70aec1a; the
+    # 1.5b 24GB and 7b QLoRA 24GB rows repeat stop 44's flags (5.55 s against 5.41 then; 7b QLoRA 20.70 s both,
+    # not listed again)
+    dict(row="1.5b_full_12gb, logprob Function, chunks of 1024 (H100)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=9.44, step_time_s=5.74, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile --logprob_chunk_size 1024 "
+                "--optim adamw_8bit --optimizer_offload --generation_backend compiled --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="1.5b_full_24gb, logprob Function, again (H100)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=16.66, step_time_s=5.55, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--use_gradient_checkpointing --torch_compile --logprob_chunk_size 1024 --optim adamw_8bit "
+                "--optimizer_offload --generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--ref_device swap --per_device_train_batch_size 16").split()),
+    dict(row="1.5b_no_flags, logprob Function (H100)", shape="qwen2.5-1.5b", algo="grpo", peak_reserved_gib=57.07,
+         step_time_s=8.03, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, flags=[]),
+    dict(row="7b_lora_24gb, logprob Function, chunks of 1024 (H100)", shape="qwen2.5-7b", algo="grpo",
+         peak_reserved_gib=20.16, step_time_s=23.88, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=[("1024" if f == "256" else f) for f in _LORA_24GB]),
+    dict(row="ppo_1.5b_24gb, logprob Function (H100)", shape="qwen2.5-1.5b", algo="ppo", peak_reserved_gib=17.14,
+         step_time_s=10.09, copy_shared=True, updates_apart=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--reward_model_name_or_path x --torch_dtype bfloat16 --use_gradient_checkpointing --torch_compile "
+                "--logprob_chunk_size 1024 --optim adamw_8bit --optimizer_offload --generation_backend compiled "
+                "--ref_device swap --reward_device swap --per_device_train_batch_size 32").split()),
+]
+
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
 # memory as fitted (`time out`), their step time as held out
 HEAD_APART_FIT = {"7b_full_80gb (checkpointed, micro-batches of 32)",
