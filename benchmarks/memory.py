@@ -77,6 +77,9 @@ SWEEP = [
     ("gen_copy_int8", "--generation_copy --generation_copy_dtype int8"),
     ("qlora_copy", "--use_lora --load_in_4bit --generation_copy"),
     ("qlora_copy_int8", "--use_lora --load_in_4bit --generation_copy --generation_copy_dtype int8"),
+    ("lora_bf16", "--use_lora --torch_dtype bfloat16"),
+    ("lora_bf16_copy", "--use_lora --torch_dtype bfloat16 --generation_copy"),
+    ("lora_bf16_copy_in_place", "--use_lora --torch_dtype bfloat16 --generation_copy --generation_copy_in_place"),
     ("best", "--use_gradient_checkpointing --activation_offload --use_dynamic_bsz --max_token_len_per_gpu 8192 "
              "--logprob_chunk_size 1024 --optim adamw_4bit --torch_dtype bfloat16 --ref_offload "
              "--generation_slice_size 32 --empty_cache_between_phases"),

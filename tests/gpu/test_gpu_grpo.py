@@ -48,9 +48,10 @@ def test_local_model_folder_on_gpu(run, tmp_path, local_model, extra):
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
-@pytest.mark.parametrize("in_features,out_features", [(3584, 512), (3584, 3584), (3584, 18944), (18944, 3584)])
+@pytest.mark.parametrize("in_features,out_features", [(3584, 512), (3584, 3584), (3584, 18944), (18944, 3584),
+                                                     (1536, 256), (1536, 1536), (1536, 8960), (8960, 1536)])
 def test_lora_skips_the_input_cast_under_cuda_autocast(in_features, out_features):
-    """A 7b-shaped Linear of a bf16 base with apply_lora's r16 adapter (float32, as PEFT keeps them), 6144
+    """A 7b- or 1.5b-shaped Linear (k/v, q/o, gate/up, down) of a bf16 base with apply_lora's r16 adapter (float32, as PEFT keeps them), 6144
     tokens under CUDA autocast: output and gradients (input, A, B) bit for bit PEFT's own layer's, which casts
     the input to float32 first; the forward + backward times of both printed (not asserted)."""
     import copy
