@@ -6,6 +6,7 @@ the enforced cap (--gpu_memory caps the allocator, so one large GPU stands in fo
     python benchmarks/budget.py --table                           # the table and plot from the rows' JSON files only
     python benchmarks/budget.py --rows 1.5b_full_24gb --shape tiny --steps 2   # CPU smoke test (no cap on a CPU)
     python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3 --baseline f266fff   # before/after a change
+    git archive -o base.tar f266fff; python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3 --baseline base.tar
 
 Each row runs train_grpo.py / train_ppo.py on the W-GRPO / W-PPO workload (benchmarks/README.md;
 random-weight models from benchmarks/memory.py) with the row's training mode and `--auto_memory
@@ -120,21 +121,34 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None, baseline=
 
 def baseline_tree(rev, cache_dir):
     """(folder, full hash): git revision `rev` of this repository written out (git archive) under `cache_dir`,
-    once; None when git cannot name it."""
+    once; or, where `rev` is a tar file made by `git archive REV` (for a machine that has the working tree but not
+    its history), that tar written out, its commit read from the archive's header. None when neither names one."""
     import io
     import subprocess
     import tarfile
 
-    found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
-                           capture_output=True, text=True)
-    if found.returncode != 0:
-        return None
-    sha = found.stdout.strip()
+    if os.path.isfile(rev):
+        try:
+            with tarfile.open(rev) as tar:
+                sha = tar.pax_headers.get("comment", "")
+        except tarfile.TarError:
+            return None
+        if not re.fullmatch(r"[0-9a-f]{40}", sha):
+            return None
+        archive = open(rev, "rb").read()
+    else:
+        found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                               capture_output=True, text=True)
+        if found.returncode != 0:
+            return None
+        sha, archive = found.stdout.strip(), None
     folder = os.path.join(cache_dir, f"baseline-{sha[:12]}")
     if not os.path.isfile(os.path.join(folder, "benchmarks", "budget.py")):
-        archive = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", sha], capture_output=True, check=True)
+        if archive is None:
+            archive = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", sha], capture_output=True,
+                                     check=True).stdout
         os.makedirs(folder, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(folder, filter="data")
     return folder, sha
 
@@ -247,7 +261,9 @@ def main(argv=None):
     parser.add_argument("--baseline", metavar="REV",
                         help="also run each row from git revision REV (written out under --cache_dir; its own code, "
                              "the same models, right before this tree's run), print the two side by side and keep the "
-                             "baseline's figures in the row's JSON (`baseline`); its JSON in OUT/budget_baseline/")
+                             "baseline's figures in the row's JSON (`baseline`); its JSON in OUT/budget_baseline/. "
+                             "REV may also be a tar file made by `git archive REV` (a GPU machine given the working "
+                             "tree without its history)")
     args = parser.parse_args(argv)
     names = args.rows.split(",") if args.rows else list(ROWS)
     unknown = [n for n in names if n not in ROWS]
@@ -260,7 +276,7 @@ def main(argv=None):
         baseline = baseline_tree(args.baseline, cache_dir)
         if baseline is None:
             parser.error(f"--baseline {args.baseline}: git names no such commit in {ROOT} (a hash, tag or branch of "
-                         "this repository's history)")
+                         "this repository's history, or a tar file made by `git archive REV`)")
     if not args.table:
         on_gpu, gpu_name = device_info()
         lines = []

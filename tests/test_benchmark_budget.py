@@ -51,6 +51,31 @@ def test_baseline_runs_each_row_from_the_named_revision_and_keeps_it_beside_this
     assert exit_info.value.code == 2 and "--baseline no-such-revision: git names no such commit" in capsys.readouterr().err
 
 
+
+def test_baseline_may_be_a_git_archive_tar_for_a_machine_without_the_history(tmp_path, capsys):
+    """--baseline base.tar, made by `git archive REV`: the tree is written out of the tar under --cache_dir with
+    REV's full hash read from the archive's header (what a GPU machine given the working tree without .git can
+    use); a tar without that header is refused with exit 2 before anything runs."""
+    import subprocess
+    import tarfile
+
+    sha = subprocess.run(["git", "-C", budget.ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    archive, cache = tmp_path / "base.tar", tmp_path / "cache"
+    subprocess.run(["git", "-C", budget.ROOT, "archive", "-o", str(archive), "HEAD"], check=True)
+    folder, got = budget.baseline_tree(str(archive), str(cache))
+    assert got == sha and folder == str(cache / f"baseline-{sha[:12]}")
+    assert (cache / f"baseline-{sha[:12]}" / "benchmarks" / "budget.py").read_bytes() == subprocess.run(
+        ["git", "-C", budget.ROOT, "show", "HEAD:benchmarks/budget.py"], capture_output=True, check=True).stdout
+    plain = tmp_path / "plain.tar"
+    with tarfile.open(plain, "w") as tar:
+        tar.add(budget.__file__, arcname="benchmarks/budget.py")
+    with pytest.raises(SystemExit) as exit_info:
+        budget.main(["--rows", "1.5b_full_24gb", "--shape", "tiny", "--out", str(tmp_path / "out"), "--cache_dir",
+                     str(cache), "--baseline", str(plain)])
+    assert exit_info.value.code == 2 and "or a tar file made by `git archive REV`" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
 def test_reductions_read_what_the_run_shrank_off_its_log():
     log = ("UserWarning: out of memory in generate: retrying with --prefill_chunk_size 64 (kept for the rest of the run)\n"
            "  warnings.warn(...)\nUserWarning: out of memory in generate: retrying with --generation_slice_size 32 "
