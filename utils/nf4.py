@@ -1,0 +1,217 @@
+"""QLoRA's NF4 weights multiplied where they lie: a Triton kernel that reads bitsandbytes' packed 4-bit codes and
+their double-quantised block statistics (what `--load_in_4bit` stores: nf4, blocks of 64, nested absmax in blocks
+of 256) and converts them to bf16 inside the matrix product, for the decoding steps' few rows (up to 128).
+
+bitsandbytes' own 4-bit product converts the whole matrix to bf16 in memory first for more than one row (a 7b
+decoding step at 64 rows took about 25 ms there, in the 7b QLoRA 12GB budget row: 25.5 s of generation); a bf16
+or int8 generation copy avoids that but does not fit 12 GB. This kernel reads the 4-bit codes once per step, a
+quarter of a bf16 copy's bytes, and needs no copy.
+
+Off by default (DECODE_WITH_KERNEL) until it is measured on a GPU against bitsandbytes' product: with it on,
+prepare_decoding (called before each rollout of a 4-bit model) makes every nf4 layer's decoding products go
+through the kernel. The numbers: each weight is
+bf16(code[nibble] * (code2[absmax_code] * absmax2[block // 256] + offset)) in float32, as bitsandbytes'
+dequantize_4bit makes it (tests/test_nf4.py checks it bit for bit), so the product equals F.linear on
+bitsandbytes' dequantised weight up to float32 summation order.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_MAX_ROWS = 128  # the Triton kernel's rows (decoding); larger products dequantise and use torch's matmul
+# whether the rollouts of a 4-bit model decode through the kernel (prepare_decoding). Off until measured against
+# bitsandbytes' own product on a GPU: benchmarks/decode_step.py --dtypes qlora --nf4_kernel, side by side
+DECODE_WITH_KERNEL = False
+
+
+def nf4_parts(weight):
+    """A bitsandbytes Params4bit (nf4, nested statistics, blocks of 64) as the tensors the product reads:
+    dict(packed [N*K/2] uint8, absmax [N*K/64] uint8, absmax2 [ceil(N*K/64/256)] float32, code [16] float32,
+    code2 [256] float32, offset [1] float32, shape (N, K)): views of the weight's own tensors (no copy, no GPU
+    sync: the offset stays a tensor). Anything else (fp4, statistics not nested, other blocks)
+    is refused with a ValueError naming what differs."""
+    state = weight.quant_state
+    if state.quant_type != "nf4" or not state.nested or state.blocksize != 64 or state.state2.blocksize != 256:
+        raise ValueError(f"nf4 kernel: needs nf4 weights with nested statistics in blocks of 64/256 (what "
+                         f"--load_in_4bit stores); got {state.quant_type}, nested={state.nested}, blocksize "
+                         f"{state.blocksize}")
+    n, k = state.shape
+    if k % 64:
+        raise ValueError(f"nf4 kernel: the input size {k} is not a multiple of the block size 64")
+    return dict(packed=weight.data.view(-1), absmax=state.absmax, absmax2=state.state2.absmax.float(),
+                code=state.code.float(), code2=state.state2.code.float(), offset=state.offset.float().reshape(1),
+                shape=(int(n), int(k)))
+
+
+def dequantize(parts, dtype=torch.bfloat16):
+    """The [N, K] weight from nf4_parts' tensors with torch ops (no bitsandbytes call): high nibble first, each
+    block of 64 scaled by its absmax, itself code2[absmax code] * absmax2[block // 256] + offset, in float32."""
+    n, k = parts["shape"]
+    packed = parts["packed"]
+    nibbles = torch.stack([packed >> 4, packed & 15], dim=1).view(-1).long()  # [N*K]
+    absmax = (parts["code2"][parts["absmax"].long()]
+              * parts["absmax2"].repeat_interleave(256)[:parts["absmax"].numel()] + parts["offset"])  # [N*K/64]
+    return (parts["code"][nibbles].view(-1, 64) * absmax[:, None]).view(n, k).to(dtype)
+
+
+def nf4_linear(x, parts, bias=None):
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W the NF4 weight of `parts` (nf4_parts): the Triton
+    kernel for up to KERNEL_MAX_ROWS rows on a CUDA GPU, else the weight dequantised and multiplied by torch."""
+    rows = x.numel() // x.shape[-1]
+    if x.is_cuda and rows <= KERNEL_MAX_ROWS and _triton_ready():
+        out = torch.ops.lean_rl.nf4_mm(x.reshape(rows, x.shape[-1]), parts["packed"], parts["absmax"],
+                                       parts["absmax2"], parts["code"], parts["code2"], parts["offset"])
+        out = out.reshape(*x.shape[:-1], -1)
+        return out if bias is None else out + bias.to(x.dtype)
+    return F.linear(x, dequantize(parts, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+_DECODING = {}  # bitsandbytes Linear4bit class -> its subclass that decodes through the kernel
+
+
+def _decoding_class(cls):
+    """`cls` (a bitsandbytes Linear4bit class) whose forward sends products of up to KERNEL_MAX_ROWS rows made
+    without gradient on a CUDA GPU to the kernel (prepare_decoding's parts), in the layer's compute dtype as
+    bitsandbytes' own forward; anything else (training passes, prefills, a CPU) to bitsandbytes."""
+    if cls not in _DECODING:
+        def forward(self, x):
+            parts = self.__dict__.get("_lean_rl_nf4")
+            if parts is None or not x.is_cuda or torch.is_grad_enabled() or x.numel() // x.shape[-1] > KERNEL_MAX_ROWS:
+                return cls.forward(self, x)
+            dtype = x.dtype
+            return nf4_linear(x.to(self.compute_dtype or dtype), parts, self.bias).to(dtype)
+
+        _DECODING[cls] = type(cls.__name__, (cls,), {"forward": forward})
+    return _DECODING[cls]
+
+
+def prepare_decoding(model):
+    """With DECODE_WITH_KERNEL (and Triton), every nf4 Linear4bit of `model` on a CUDA GPU decodes through the
+    kernel from now on (its class swapped for _decoding_class's), reading its own tensors (nf4_parts, looked up
+    again wherever the weight has moved since). Called before each rollout; returns how many layers decode so
+    (0: nothing changed)."""
+    if not DECODE_WITH_KERNEL or not _triton_ready():
+        return 0
+    import bitsandbytes as bnb
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear4bit) or not module.weight.is_cuda:
+            continue
+        parts = module.__dict__.get("_lean_rl_nf4")
+        if parts is None or parts["packed"].data_ptr() != module.weight.data_ptr():
+            try:
+                module.__dict__["_lean_rl_nf4"] = nf4_parts(module.weight)
+            except ValueError:  # fp4, statistics not nested: bitsandbytes' own product
+                continue
+        if type(module) not in _DECODING.values():
+            module.__class__ = _decoding_class(type(module))
+        count += 1
+    return count
+
+
+_READY = []
+LAUNCH = []  # launch(x, packed, absmax, absmax2, code, code2, offset, split) once the kernel is defined
+_SPLITS = {}  # (block_m, N, K) -> the fastest split of K measured at the first call of that shape
+
+
+def _triton_ready():
+    """Whether the Triton kernel and its op are defined (Triton importable); defined at first use."""
+    if not _READY:
+        try:
+            _define_kernel()
+            _READY.append(True)
+        except ImportError:
+            _READY.append(False)
+    return _READY[0]
+
+
+def _define_kernel():
+    import triton
+    import triton.language as tl
+
+    from utils.int8 import SMS, _graph_milliseconds, block_rows, split_candidates
+
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+               for n, k, w, s in [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3),
+                                  (128, 128, 8, 4), (16, 256, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4)]]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's CPU interpreter (tests/test_nf4.py): nothing timed
+        configs = configs[:1]
+
+    def quick_bench(fn, quantiles):
+        return triton.testing.do_bench(fn, warmup=3, rep=10, quantiles=quantiles)
+
+    @triton.autotune(configs=configs, key=["BLOCK_M", "N", "K", "SPLIT_K"], do_bench=quick_bench)
+    @triton.jit
+    def kernel(x_ptr, q_ptr, a_ptr, a2_ptr, code_ptr, code2_ptr, offset_ptr, y_ptr, M, N, K, K_PER_SPLIT, stride_xm,
+               stride_ym, stride_ys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+        # one program: all BLOCK_M rows of x against BLOCK_N rows of W over one split of K. W[n, k] is element
+        # n*K + k of the flat weight: its byte (element // 2, high nibble first) and its block of 64 (whose
+        # absmax is double-quantised: code2[absmax code] * absmax2[block // 256] + offset)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        offset = tl.load(offset_ptr)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                        mask=(rm[:, None] < M) & (kk[None, :] < k_end), other=0.0)
+            mask = (rn[None, :] < N) & (kk[:, None] < k_end)
+            element = rn[None, :].to(tl.int64) * K + kk[:, None]  # [BLOCK_K, BLOCK_N]
+            byte = tl.load(q_ptr + element // 2, mask=mask, other=0).to(tl.int32)
+            nibble = tl.where(element % 2 == 0, byte >> 4, byte & 15)
+            block = element // 64
+            absmax_code = tl.load(a_ptr + block, mask=mask, other=0).to(tl.int32)
+            absmax = (tl.load(code2_ptr + absmax_code) * tl.load(a2_ptr + block // 256, mask=mask, other=0.0)
+                      + offset)
+            w = (tl.load(code_ptr + nibble) * absmax).to(x.dtype)
+            acc += tl.dot(x, w)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT_K == 1:
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
+
+    def launch(x, packed, absmax, absmax2, code, code2, offset, split):
+        rows, k = x.shape
+        n = packed.numel() * 2 // k
+        k_per_split = triton.cdiv(triton.cdiv(k, split), 512) * 512  # a multiple of every BLOCK_K
+        split = triton.cdiv(k, k_per_split)
+        if split == 1:
+            out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        else:
+            out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)](
+            x, packed, absmax, absmax2, code, code2, offset, out, rows, n, k, k_per_split, x.stride(0),
+            out.stride(-2), out.stride(0) if split > 1 else 0, BLOCK_M=block_rows(rows), SPLIT_K=split)
+        return out if split == 1 else out.sum(0).to(x.dtype)
+
+    LAUNCH.append(launch)
+
+    @torch.library.custom_op("lean_rl::nf4_mm", mutates_args=())
+    def nf4_mm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor,
+               code: torch.Tensor, code2: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        n, k = packed.numel() * 2 // x.shape[1], x.shape[1]
+        key = (block_rows(x.shape[0]), n, k)
+        args = (x, packed, absmax, absmax2, code, code2, offset)
+        if key not in _SPLITS:
+            if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: unsplit, chosen later
+                return launch(*args, 1)
+            if not SMS:
+                SMS.append(torch.cuda.get_device_properties(x.device).multi_processor_count)
+            candidates = split_candidates(n, k, SMS[0])
+            times = [_graph_milliseconds(lambda: launch(*args, split)) for split in candidates]
+            _SPLITS[key] = candidates[times.index(min(times))]
+        return launch(*args, _SPLITS[key])
+
+    @nf4_mm.register_fake
+    def _(x, packed, absmax, absmax2, code, code2, offset):
+        return x.new_empty(x.shape[0], packed.numel() * 2 // x.shape[1])
