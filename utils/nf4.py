@@ -148,31 +148,42 @@ def _define_kernel():
                stride_ym, stride_ys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                SPLIT_K: tl.constexpr):
         # one program: all BLOCK_M rows of x against BLOCK_N rows of W over one split of K. W[n, k] is element
-        # n*K + k of the flat weight: its byte (element // 2, high nibble first) and its block of 64 (whose
-        # absmax is double-quantised: code2[absmax code] * absmax2[block // 256] + offset)
+        # n*K + k of the flat weight, in byte (n*K + k) // 2 (high nibble first) and block of 64 (n*K + k) // 64,
+        # whose absmax is double-quantised: code2[absmax code] * absmax2[block // 256] + offset. K and every split
+        # and tile are multiples of 64, so a tile's bytes are BLOCK_K // 2 consecutive ones per row of W, each
+        # loaded once: its high nibbles meet x's even columns, its low nibbles the odd ones (two products, no
+        # interleaving), and each block's absmax is read once and broadcast over its 32 bytes
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // 64
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
+        rh = tl.arange(0, HALF)
+        rg = tl.arange(0, GROUPS)
+        row_start = rn[None, :].to(tl.int64) * K  # [1, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         offset = tl.load(offset_ptr)
         for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
-                        mask=(rm[:, None] < M) & (kk[None, :] < k_end), other=0.0)
-            mask = (rn[None, :] < N) & (kk[:, None] < k_end)
-            element = rn[None, :].to(tl.int64) * K + kk[:, None]  # [BLOCK_K, BLOCK_N]
-            byte = tl.load(q_ptr + element // 2, mask=mask, other=0).to(tl.int32)
-            nibble = tl.where(element % 2 == 0, byte >> 4, byte & 15)
-            block = element // 64
-            absmax_code = tl.load(a_ptr + block, mask=mask, other=0).to(tl.int32)
-            absmax = (tl.load(code2_ptr + absmax_code) * tl.load(a2_ptr + block // 256, mask=mask, other=0.0)
+            even = k0 + 2 * rh  # [HALF]: the even columns of this tile
+            x_rows = x_ptr + rm[:, None] * stride_xm + even[None, :]
+            x_mask = (rm[:, None] < M) & (even[None, :] < k_end)
+            x_even = tl.load(x_rows, mask=x_mask, other=0.0)
+            x_odd = tl.load(x_rows + 1, mask=x_mask, other=0.0)
+            w_mask = (rn[None, :] < N) & (even[:, None] < k_end)  # [HALF, BLOCK_N]
+            byte = tl.load(q_ptr + (row_start + k0) // 2 + rh[:, None], mask=w_mask, other=0).to(tl.int32)
+            block = (row_start + k0) // 64 + rg[:, None]  # [GROUPS, BLOCK_N]
+            s_mask = (rn[None, :] < N) & (k0 + 64 * rg[:, None] < k_end)
+            absmax_code = tl.load(a_ptr + block, mask=s_mask, other=0).to(tl.int32)
+            absmax = (tl.load(code2_ptr + absmax_code) * tl.load(a2_ptr + block // 256, mask=s_mask, other=0.0)
                       + offset)
-            w = (tl.load(code_ptr + nibble) * absmax).to(x.dtype)
-            acc += tl.dot(x, w)
+            absmax = tl.reshape(tl.broadcast_to(absmax[:, None, :], (GROUPS, 32, BLOCK_N)), (HALF, BLOCK_N))
+            high = (tl.load(code_ptr + (byte >> 4)) * absmax).to(x_even.dtype)
+            low = (tl.load(code_ptr + (byte & 15)) * absmax).to(x_even.dtype)
+            acc += tl.dot(x_even, high)
+            acc += tl.dot(x_odd, low)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT_K == 1:
             tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
