@@ -76,7 +76,7 @@ def _decoding_class(cls):
     bitsandbytes' own forward; anything else (training passes, prefills, a CPU) to bitsandbytes."""
     if cls not in _DECODING:
         def forward(self, x):
-            parts = self.__dict__.get("_lean_rl_nf4")
+            parts = getattr(self, "_lean_rl_nf4", None)
             if parts is None or not x.is_cuda or torch.is_grad_enabled() or x.numel() // x.shape[-1] > KERNEL_MAX_ROWS:
                 return cls.forward(self, x)
             dtype = x.dtype
