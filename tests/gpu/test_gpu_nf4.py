@@ -72,8 +72,9 @@ def test_nf4_kernel_matches_the_dequantised_product_and_prints_its_time(rows):
 @pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
 def test_qlora_rollout_through_the_kernel_is_as_greedy_as_bitsandbytes_own(step_mode, local_model, monkeypatch):
     """A 4-bit model (as --load_in_4bit loads it) decoding with DECODE_WITH_KERNEL: prepare_decoding turns every
-    Linear4bit to the kernel, the captured step calls it (compiled: without falling back), and the greedy rollout
-    is as greedy, by the model's full forward, as the same rollout through bitsandbytes' own product."""
+    Linear4bit to the kernel, the captured step calls it for each of the model's matrix shapes (compiled: without
+    falling back), and the greedy rollout is as greedy, by the model's full forward, as the same rollout through
+    bitsandbytes' own product."""
     import warnings
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -91,9 +92,7 @@ def test_qlora_rollout_through_the_kernel_is_as_greedy_as_bitsandbytes_own(step_
     ids, mask = enc["input_ids"].cuda(), enc["attention_mask"].cuda()
     monkeypatch.setattr(nf4, "DECODE_WITH_KERNEL", True)
     assert nf4.prepare_decoding(model) == 6 * 7  # 6 layers x q, k, v, o, gate, up, down
-    calls = []
-    kernel_product = nf4.nf4_linear
-    monkeypatch.setattr(nf4, "nf4_linear", lambda *args, **kwargs: calls.append(1) or kernel_product(*args, **kwargs))
+    nf4._SPLITS.clear()  # the op records each shape's split at its first call: how the kernel is seen to run
     rollouts = []
     for through_kernel in (True, False):
         if not through_kernel:  # the same layers without their parts: bitsandbytes' own product
@@ -107,5 +106,5 @@ def test_qlora_rollout_through_the_kernel_is_as_greedy_as_bitsandbytes_own(step_
                                                   tokenizer.pad_token_id, step_mode=step_mode, greedy=True))
         assert not [w for w in caught if "torch.compile failed" in str(w.message)]
         if through_kernel:
-            assert calls
+            assert {key[1:] for key in nf4._SPLITS} == {(512, 512), (128, 512), (1536, 512), (512, 1536)}
     _assert_as_greedy(model, ids, mask, rollouts[0], rollouts[1], step_mode, "nf4 kernel", "bitsandbytes")
