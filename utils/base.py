@@ -15,6 +15,18 @@ CAPTURED_BACKENDS = ("cudagraph", "compiled")  # --generation_backend values tha
 PREFILL_CHUNK = 64
 
 
+def defined_once(ready, define):
+    """Whether a Triton kernel module's `define()` (its kernel and torch op) ran without an ImportError (no
+    Triton here): run at the first call only, the answer kept in the module's list `ready`."""
+    if not ready:
+        try:
+            define()
+            ready.append(True)
+        except ImportError:
+            ready.append(False)
+    return ready[0]
+
+
 def static_cache_len(prompt_len, max_new_tokens, multiple=128) -> int:
     """The static KV cache's length: prompt + new tokens rounded up to `multiple`, so that prompts of
     nearby lengths share one cache shape (and one captured graph)."""

@@ -17,6 +17,8 @@ against SDPA, split and unsplit).
 """
 import torch
 
+from utils.base import defined_once
+
 BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 4, 3  # positions per loop step, and the launch: the fastest of 18 at 7b
 # (H200, 2026-12-02, tests/gpu: 37.9 us a layer against 46.4 with blocks of 64; SDPA 84.5)
 PROGRAMS_PER_SM = 4  # split the positions until (rows x key/value heads x splits) reaches this many per SM
@@ -28,13 +30,7 @@ LAUNCH = []  # launch(query, key, value, keep, scale, block_n, num_warps, num_st
 
 def ready():
     """Whether the kernel and its op are defined (Triton importable); defined at first use."""
-    if not _READY:
-        try:
-            _define_kernel()
-            _READY.append(True)
-        except ImportError:
-            _READY.append(False)
-    return _READY[0]
+    return defined_once(_READY, _define_kernel)
 
 
 def decode_attention(query, key, value, keep, scale):

@@ -19,6 +19,8 @@ timing (as Triton's autotuning does), so two processes may choose other ones and
 import torch
 import torch.nn.functional as F
 
+from utils.base import defined_once
+
 REFRESH_ROWS = 4096  # rows quantised at a time by Int8Linear.refresh
 KERNEL_MAX_ROWS = 128  # the Triton kernel's rows (decoding); larger products convert and use torch's matmul
 
@@ -81,14 +83,8 @@ LAUNCH = []  # launch(x, codes, scale, split) -> x @ codes^T * scale, once the k
 
 
 def _triton_ready():
-    """Whether the Triton kernel and its op are defined (Triton importable); defined at first use."""
-    if not _READY:
-        try:
-            _define_kernel()
-            _READY.append(True)
-        except ImportError:
-            _READY.append(False)
-    return _READY[0]
+    """Whether the kernel and its op are defined (Triton importable); defined at first use."""
+    return defined_once(_READY, _define_kernel)
 
 
 def block_rows(rows):

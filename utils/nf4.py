@@ -19,6 +19,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from utils.base import defined_once
+
 KERNEL_MAX_ROWS = 128  # the Triton kernel's rows (decoding); larger products dequantise and use torch's matmul
 # whether the rollouts of a 4-bit model decode through the kernel (prepare_decoding). Off until measured against
 # bitsandbytes' own product on a GPU: benchmarks/decode_step.py --dtypes qlora --nf4_kernel, side by side
@@ -117,14 +119,8 @@ _SPLITS = {}  # (block_m, N, K) -> the fastest split of K measured at the first 
 
 
 def _triton_ready():
-    """Whether the Triton kernel and its op are defined (Triton importable); defined at first use."""
-    if not _READY:
-        try:
-            _define_kernel()
-            _READY.append(True)
-        except ImportError:
-            _READY.append(False)
-    return _READY[0]
+    """Whether the kernel and its op are defined (Triton importable); defined at first use."""
+    return defined_once(_READY, _define_kernel)
 
 
 def _define_kernel():

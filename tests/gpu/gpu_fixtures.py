@@ -1,4 +1,4 @@
-"""Fixtures of the GPU tests: small models saved as local folders."""
+"""Fixtures and helpers of the GPU tests: small models saved as local folders, a CUDA-graph timer, 7b shapes."""
 import pytest
 
 
@@ -28,3 +28,30 @@ def local_reward_model(tmp_path):
     toy.build_sequence_classifier(tokenizer, seed=7, hidden_size=128).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     return str(tmp_path / "rm")
+
+
+def graph_microseconds(fn):
+    """One fn() on the GPU in microseconds: 3 eager calls first (the first autotunes), then 10 calls captured in a
+    CUDA graph, replayed 20 times (printed by the kernel tests, not asserted)."""
+    import time
+
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 200 * 1e6
+
+
+# a 7b decoding step's matrices, per layer: [N, K] and how many; 28 layers + LM head (the kernel tests)
+QWEN_7B_DECODE_MATRICES = {"q/o": (3584, 3584, 2), "k/v": (512, 3584, 2), "gate/up": (18944, 3584, 2),
+                           "down": (3584, 18944, 1)}

@@ -4,7 +4,7 @@ draws fresh random numbers, memory stays near the KV cache, and a script trains 
 import pytest
 import torch
 
-from gpu_fixtures import local_model  # noqa: F401 (fixture)
+from gpu_fixtures import QWEN_7B_DECODE_MATRICES, local_model  # noqa: F401 (fixture)
 from helpers import metrics_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -242,8 +242,6 @@ def test_building_the_generation_copy_on_gpu_allocates_only_its_own_tensors():
         del model, copy
 
 
-QWEN_7B_DECODE_MATRICES = {"q/o": (3584, 3584, 2), "k/v": (512, 3584, 2), "gate/up": (18944, 3584, 2),
-                           "down": (3584, 18944, 1)}  # per layer: [N, K] and how many; 28 layers + LM head
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 128])
@@ -252,27 +250,11 @@ def test_int8_kernel_matches_converted_matmul_and_prints_its_time(rows):
     multiplied by torch (its fallback), at 7b's decoding shapes and row counts: equal up to bf16 summation order.
     Each shape is timed in a CUDA graph beside a bf16 F.linear of the same matrix, and a 7b decoding step's
     matrix products summed (printed, not asserted)."""
-    import time
-
     import torch.nn.functional as F
 
+    from gpu_fixtures import graph_microseconds as timed
     from utils import int8
     from utils.int8 import int8_linear, quantize_rows, split_candidates
-
-    def timed(fn):
-        for _ in range(3):
-            fn()  # the first call autotunes
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(10):
-                fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / 200 * 1e6
 
     torch.manual_seed(rows)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

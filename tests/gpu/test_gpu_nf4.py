@@ -1,32 +1,11 @@
 """utils/nf4.py's Triton kernel on a GPU (skipped without CUDA): QLoRA's NF4 weights multiplied where they lie, at
 7b's decoding shapes and row counts, against bitsandbytes' own dequantised weight multiplied by torch, and timed
 in a CUDA graph beside bitsandbytes' 4-bit product and a bf16 F.linear (printed, not asserted)."""
-import time
-
 import pytest
 import torch
+from gpu_fixtures import QWEN_7B_DECODE_MATRICES, graph_microseconds, local_model  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-# per layer: [N, K] and how many; 28 layers + LM head (as tests/gpu/test_gpu_generation.py's int8 test)
-QWEN_7B_DECODE_MATRICES = {"q/o": (3584, 3584, 2), "k/v": (512, 3584, 2), "gate/up": (18944, 3584, 2),
-                           "down": (3584, 18944, 1)}
-
-
-def _graph_us(fn):
-    for _ in range(3):
-        fn()  # the first call autotunes and chooses the split
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / 200 * 1e6
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 128])
@@ -57,9 +36,9 @@ def test_nf4_kernel_matches_the_dequantised_product_and_prints_its_time(rows):
             assert error < 1e-2, (name, split, error)
         error = ((ours - reference).norm() / reference.norm()).item()
         assert error < 1e-2, (name, error)
-        times = dict(nf4=_graph_us(lambda: nf4.nf4_linear(x, parts)),
-                     bnb=_graph_us(lambda: bnb.matmul_4bit(x, weight, quant_state=weight.quant_state)),
-                     bf16=_graph_us(lambda: F.linear(x, dense)))
+        times = dict(nf4=graph_microseconds(lambda: nf4.nf4_linear(x, parts)),
+                     bnb=graph_microseconds(lambda: bnb.matmul_4bit(x, weight, quant_state=weight.quant_state)),
+                     bf16=graph_microseconds(lambda: F.linear(x, dense)))
         for key in step:
             step[key] += 28 * count * times[key]
         chosen = nf4._SPLITS[(int8.block_rows(rows), n, k)]
