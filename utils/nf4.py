@@ -127,7 +127,7 @@ def _define_kernel():
     import triton
     import triton.language as tl
 
-    from utils.int8 import SMS, _graph_milliseconds, block_rows, split_candidates
+    from utils.int8 import block_rows, chosen_split, split_output
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                for n, k, w, s in [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3),
@@ -189,12 +189,7 @@ def _define_kernel():
     def launch(x, packed, absmax, absmax2, code, code2, offset, split):
         rows, k = x.shape
         n = packed.numel() * 2 // k
-        k_per_split = triton.cdiv(triton.cdiv(k, split), 512) * 512  # a multiple of every BLOCK_K
-        split = triton.cdiv(k, k_per_split)
-        if split == 1:
-            out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        else:
-            out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+        k_per_split, split, out = split_output(x, n, split)
         kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)](
             x, packed, absmax, absmax2, code, code2, offset, out, rows, n, k, k_per_split, x.stride(0),
             out.stride(-2), out.stride(0) if split > 1 else 0, BLOCK_M=block_rows(rows), SPLIT_K=split)
@@ -206,18 +201,9 @@ def _define_kernel():
     def nf4_mm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor,
                code: torch.Tensor, code2: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        n, k = packed.numel() * 2 // x.shape[1], x.shape[1]
-        key = (block_rows(x.shape[0]), n, k)
         args = (x, packed, absmax, absmax2, code, code2, offset)
-        if key not in _SPLITS:
-            if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: unsplit, chosen later
-                return launch(*args, 1)
-            if not SMS:
-                SMS.append(torch.cuda.get_device_properties(x.device).multi_processor_count)
-            candidates = split_candidates(n, k, SMS[0])
-            times = [_graph_milliseconds(lambda: launch(*args, split)) for split in candidates]
-            _SPLITS[key] = candidates[times.index(min(times))]
-        return launch(*args, _SPLITS[key])
+        key = (block_rows(x.shape[0]), packed.numel() * 2 // x.shape[1], x.shape[1])
+        return launch(*args, chosen_split(_SPLITS, key, x.device, lambda split: launch(*args, split)))
 
     @nf4_mm.register_fake
     def _(x, packed, absmax, absmax2, code, code2, offset):
