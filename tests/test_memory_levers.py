@@ -629,3 +629,16 @@ def test_param_offload_steps_on_the_cpu_and_resumes_exactly(run, tmp_path, optim
         for got, want in zip(metrics_of(tmp_path / "full"), metrics_of(tmp_path / "plain")):
             for key in ("loss/policy", "optim/grad_norm", "reward/mean"):
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), (got["step"], key)
+
+
+@pytest.mark.parametrize("device, expected", [("cuda", {"": 1}), ("cuda:0", {"": 0}), ("cpu", {"": "cpu"})])
+def test_quantised_loading_places_a_bare_cuda_on_the_current_gpu(device, expected, monkeypatch):
+    """--load_in_4bit / --load_in_8bit load straight onto the role's device. A bare "cuda" (`--actor_device cuda`,
+    benchmarks/decode_step.py) has no index, and from_pretrained fails on {"": None} (seen on a GPU, 2026-12-06):
+    it is the current GPU, as torch reads "cuda"."""
+    from utils.modeling import quantization_kwargs
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert quantization_kwargs("4bit", torch.bfloat16, device)["device_map"] == expected
+    assert quantization_kwargs("8bit", torch.bfloat16, device)["device_map"] == expected
+    assert quantization_kwargs(None, torch.bfloat16, device) == {}

@@ -154,6 +154,8 @@ def quantization_kwargs(quantization, compute_dtype, device, skip_modules=None) 
     else:
         config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # a bare "cuda" (--actor_device cuda): the current GPU;
+        device = torch.device("cuda", torch.cuda.current_device())  # from_pretrained refuses a None device
     return dict(quantization_config=config, dtype=compute_dtype,
                 device_map={"": device.index if device.type == "cuda" else "cpu"})
 
