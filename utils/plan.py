@@ -1772,6 +1772,33 @@ BUDGET_RUNS += [
                 "--ref_device swap --reward_device swap --per_device_train_batch_size 32").split()),
 ]
 
+BUDGET_RUNS += [
+    # 2026-12-06 (stop 46), one H100 80GB HBM3, held out: the four rows not rerun since the logprob Function, as
+    # --auto_memory plans them today (3 steps, median of steps 2-3, `python benchmarks/budget.py --rows ROW --steps
+    # 3`; benchmarks/results/stop46_h100/). 7b 80GB: generate 5.32, ref 2.66, update 8.14 s. 7b 48GB: generate 5.31,
+    # ref 2.74, update 9.25 s. 7b QLoRA 12GB (no --optimizer_offload in today's plan): generate 28.21, ref 2.97,
+    # update 11.70 s. W-PPO 7b (no logprob chunks in today's plan): generate 5.22, update 10.65, critic update 10.19 s
+    dict(row="7b_full_80gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=60.35,
+         step_time_s=16.18, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--torch_dtype bfloat16 --torch_compile --optim adamw_8bit --generation_backend compiled "
+                "--empty_cache_between_phases --ref_device swap --per_device_train_batch_size 4").split()),
+    dict(row="7b_full_48gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=37.60,
+         step_time_s=17.38, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--torch_dtype bfloat16 --torch_compile --optim adamw_4bit --optimizer_offload "
+                "--generation_backend compiled --empty_cache_between_phases --ref_device swap "
+                "--per_device_train_batch_size 2").split()),
+    dict(row="7b_qlora_12gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=10.50,
+         step_time_s=42.92, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload --logprob_chunk_size 256 "
+                "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
+                "--empty_cache_between_phases --per_device_train_batch_size 16").split()),
+    dict(row="ppo_7b_80gb, logprob Function (H100)", shape="qwen2.5-7b", algo="ppo", peak_reserved_gib=70.53,
+         step_time_s=38.03, copy_shared=True, updates_apart=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--use_lora --torch_dtype bfloat16 --reward_model_name_or_path x --use_gradient_checkpointing "
+                "--generation_backend compiled --generation_copy --empty_cache_between_phases "
+                "--per_device_train_batch_size 32").split()),
+]
+
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
 # memory as fitted (`time out`), their step time as held out
 HEAD_APART_FIT = {"7b_full_80gb (checkpointed, micro-batches of 32)",
