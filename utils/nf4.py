@@ -7,9 +7,15 @@ decoding step at 64 rows took about 25 ms there, in the 7b QLoRA 12GB budget row
 or int8 generation copy avoids that but does not fit 12 GB. This kernel reads the 4-bit codes once per step, a
 quarter of a bf16 copy's bytes, and needs no copy.
 
-Off by default (DECODE_WITH_KERNEL) until it is measured on a GPU against bitsandbytes' product: with it on,
-prepare_decoding (called before each rollout of a 4-bit model) makes every nf4 layer's decoding products go
-through the kernel. The numbers: each weight is
+Measured slower than bitsandbytes, so off (DECODE_WITH_KERNEL). H100, 2026-12-06 (tests/gpu/test_gpu_nf4.py,
+each product alone in a CUDA graph): a 7b decoding step's layer products at 64 rows took 36.1 ms through this
+kernel, 14.2 ms through bitsandbytes (dequantise, then cuBLAS), 5.1 ms in bf16; at one row 18.4 against 3.7 ms
+(bitsandbytes' own 4-bit GEMV). In the decoding loop (benchmarks/decode_step.py --shape qwen2.5-1.5b --dtypes qlora
+--rows 64): 15.59 ms per step with the kernel, 8.09 without. Exact on the GPU too (within 1.1e-4 of bitsandbytes'
+dequantised product at every split). Likely costs, not yet profiled: the two gathers from the 16-entry code per
+byte, the absmax broadcast's reshape (a layout change through shared memory), and 56 programs for a 3584-wide
+output at split 1 on 132 SMs. With it on, prepare_decoding (called before each rollout of a 4-bit model) makes
+every nf4 layer's decoding products go through the kernel. The numbers: each weight is
 bf16(code[nibble] * (code2[absmax_code] * absmax2[block // 256] + offset)) in float32, as bitsandbytes'
 dequantize_4bit makes it (tests/test_nf4.py checks it bit for bit), so the product equals F.linear on
 bitsandbytes' dequantised weight up to float32 summation order.
@@ -22,8 +28,8 @@ import torch.nn.functional as F
 from utils.base import defined_once
 
 KERNEL_MAX_ROWS = 128  # the Triton kernel's rows (decoding); larger products dequantise and use torch's matmul
-# whether the rollouts of a 4-bit model decode through the kernel (prepare_decoding). Off until measured against
-# bitsandbytes' own product on a GPU: benchmarks/decode_step.py --dtypes qlora --nf4_kernel, side by side
+# whether the rollouts of a 4-bit model decode through the kernel (prepare_decoding). Off: measured slower than
+# bitsandbytes' own product (module docstring); benchmarks/decode_step.py --dtypes qlora --nf4_kernel, side by side
 DECODE_WITH_KERNEL = False
 
 
