@@ -22,7 +22,8 @@ from utils.base import defined_once
 BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 4, 3  # positions per loop step, and the launch: the fastest of 18 at 7b
 # (H200, 2026-12-02, tests/gpu: 37.9 us a layer against 46.4 with blocks of 64; SDPA 84.5)
 PROGRAMS_PER_SM = 4  # split the positions until (rows x key/value heads x splits) reaches this many per SM
-MAX_SPLITS = 1  # 1: unsplit until measured on a GPU (tests/gpu and benchmarks/decode_step.py --attention_splits 8)
+MAX_SPLITS = 1  # 1: unsplit. Splitting lost wherever measured (H100, 2026-12-05, 128 rows: 1.5b 29.3 us a layer
+# unsplit, 31.9-38.2 split 2-8 ways; README, decoding attention); benchmarks/decode_step.py --attention_splits 8
 _READY = []
 _SMS = []  # the GPU's multiprocessor count, read once
 LAUNCH = []  # launch(query, key, value, keep, scale, block_n, num_warps, num_stages, splits) once the kernel is defined
