@@ -58,6 +58,24 @@ def test_nf4_parts_refuses_what_the_kernel_does_not_read():
             nf4_parts(quantized(32, 256, **kwargs))
 
 
+def test_nf4_parts_refuses_a_code_table_other_than_the_kernels_constants(monkeypatch):
+    """The kernel's select tree holds NF4_CODE's values: a weight whose code table differs (a bitsandbytes that
+    changed its NF4 levels) is refused, so prepare_decoding leaves it to bitsandbytes; the check runs once."""
+    import utils.nf4 as nf4
+
+    monkeypatch.setattr(nf4, "_CODE_CHECKED", [])
+    weight = quantized(32, 256)
+    weight.quant_state.code = weight.quant_state.code.clone()
+    weight.quant_state.code[3] += 1e-3
+    with pytest.raises(ValueError, match="differs from NF4_CODE"):
+        nf4_parts(weight)
+    assert nf4._CODE_CHECKED == []
+    weight.quant_state.code[3] -= 1e-3
+    assert tuple(weight.quant_state.code.tolist()) == nf4.NF4_CODE
+    nf4_parts(weight)
+    assert nf4._CODE_CHECKED == [True]
+
+
 INTERPRETED = r"""
 import torch
 from bitsandbytes.nn import Params4bit
@@ -75,9 +93,10 @@ for n, k in [(96, 1024), (40, 192)]:
     for rows in (1, 5, 16, 33):
         x = torch.randn(rows, k, dtype=torch.float16)
         for split in (1, 2):
-            y = nf4.LAUNCH[0](x, parts["packed"], parts["absmax"], parts["absmax2"], parts["code"], parts["code2"],
-                              parts["offset"], split)
+            y, y_gathered = (nf4.LAUNCH[0](x, parts["packed"], parts["absmax"], parts["absmax2"], parts["code"],
+                                           parts["code2"], parts["offset"], split, tree) for tree in (True, False))
             assert y.shape == (rows, n) and y.dtype == torch.float16, (y.shape, y.dtype)
+            assert torch.equal(y, y_gathered), "the select tree's values differ from the code table's"
             ref = x.float() @ w.T
             worst = max(worst, ((y.float() - ref).abs().max() / ref.abs().max()).item())
 print("worst relative error", worst)
@@ -89,7 +108,8 @@ assert worst < 1e-2, worst
 def test_kernel_in_the_triton_interpreter_matches_the_dequantised_product():
     """The kernel's indexing (byte, nibble, block of 64, block of 256), masks (rows and a K that is not a multiple
     of the K tile) and split-K partial sums, run by Triton's CPU interpreter: within fp16 rounding of x @ W^T
-    on bitsandbytes' dequantised weight. float16 x: with bf16 x the interpreter (Triton 3.9) gave products of
+    on bitsandbytes' dequantised weight; the code looked up by the select tree (NF4_CODE's constants) gives the
+    same output bit for bit as the code gathered from the weight's own table. float16 x: with bf16 x the interpreter (Triton 3.9) gave products of
     ~1e12 where float16 and float32 x gave the right ones; the GPU test covers bf16."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, cwd=ROOT,

@@ -12,9 +12,12 @@ each product alone in a CUDA graph): a 7b decoding step's layer products at 64 r
 kernel, 14.2 ms through bitsandbytes (dequantise, then cuBLAS), 5.1 ms in bf16; at one row 18.4 against 3.7 ms
 (bitsandbytes' own 4-bit GEMV). In the decoding loop (benchmarks/decode_step.py --shape qwen2.5-1.5b --dtypes qlora
 --rows 64): 15.59 ms per step with the kernel, 8.09 without. Exact on the GPU too (within 1.1e-4 of bitsandbytes'
-dequantised product at every split). Likely costs, not yet profiled: the two gathers from the 16-entry code per
+dequantised product at every split). Likely costs, not profiled: the two gathers from the 16-entry code per
 byte, the absmax broadcast's reshape (a layout change through shared memory), and 56 programs for a 3584-wide
-output at split 1 on 132 SMs. With it on, prepare_decoding (called before each rollout of a 4-bit model) makes
+output at split 1 on 132 SMs. Since then, NOT yet measured on a GPU: each tile is worked one block of 64 columns at
+a time, its absmax a plain broadcast (no reshape), and the code is looked up by a select tree over the nibble's
+bits with NF4_CODE's constants (CODE_BY_TREE; the gather stays for a side-by-side: tests/gpu/test_gpu_nf4.py times
+both). With it on, prepare_decoding (called before each rollout of a 4-bit model) makes
 every nf4 layer's decoding products go through the kernel. The numbers: each weight is
 bf16(code[nibble] * (code2[absmax_code] * absmax2[block // 256] + offset)) in float32, as bitsandbytes'
 dequantize_4bit makes it (tests/test_nf4.py checks it bit for bit), so the product equals F.linear on
@@ -31,14 +34,23 @@ KERNEL_MAX_ROWS = 128  # the Triton kernel's rows (decoding); larger products de
 # whether the rollouts of a 4-bit model decode through the kernel (prepare_decoding). Off: measured slower than
 # bitsandbytes' own product (module docstring); benchmarks/decode_step.py --dtypes qlora --nf4_kernel, side by side
 DECODE_WITH_KERNEL = False
+# bitsandbytes' NF4 code (bnb.functional.get_4bit_type("nf4"), float32): the kernel's select tree holds these
+# constants; nf4_parts checks a weight's code against them once
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+            1.0)
+# the kernel's code lookup: a select tree over each 4-bit code's bits (True) or a gather from the 16-entry table
+# (False, as measured on 2026-12-06). Not yet measured on a GPU: tests/gpu/test_gpu_nf4.py times both
+CODE_BY_TREE = True
 
 
 def nf4_parts(weight):
     """A bitsandbytes Params4bit (nf4, nested statistics, blocks of 64) as the tensors the product reads:
     dict(packed [N*K/2] uint8, absmax [N*K/64] uint8, absmax2 [ceil(N*K/64/256)] float32, code [16] float32,
     code2 [256] float32, offset [1] float32, shape (N, K)): views of the weight's own tensors (no copy, no GPU
-    sync: the offset stays a tensor). Anything else (fp4, statistics not nested, other blocks)
-    is refused with a ValueError naming what differs."""
+    sync but the first call's check of the code table: the offset stays a tensor). Anything else (fp4, statistics
+    not nested, other blocks, a code table other than NF4_CODE) is refused with a ValueError naming what differs."""
     state = weight.quant_state
     if state.quant_type != "nf4" or not state.nested or state.blocksize != 64 or state.state2.blocksize != 256:
         raise ValueError(f"nf4 kernel: needs nf4 weights with nested statistics in blocks of 64/256 (what "
@@ -47,6 +59,10 @@ def nf4_parts(weight):
     n, k = state.shape
     if k % 64:
         raise ValueError(f"nf4 kernel: the input size {k} is not a multiple of the block size 64")
+    if not _CODE_CHECKED:  # the one GPU sync: bitsandbytes' code table is one for every layer
+        if tuple(state.code.float().tolist()) != NF4_CODE:
+            raise ValueError("nf4 kernel: this bitsandbytes' nf4 code differs from NF4_CODE, which the kernel holds")
+        _CODE_CHECKED.append(True)
     return dict(packed=weight.data.view(-1), absmax=state.absmax, absmax2=state.state2.absmax.float(),
                 code=state.code.float(), code2=state.state2.code.float(), offset=state.offset.float().reshape(1),
                 shape=(int(n), int(k)))
@@ -75,6 +91,7 @@ def nf4_linear(x, parts, bias=None):
     return F.linear(x, dequantize(parts, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+_CODE_CHECKED = []  # [True] once a weight's code table was found equal to NF4_CODE
 _DECODING = {}  # bitsandbytes Linear4bit class -> its subclass that decodes through the kernel
 
 
@@ -144,61 +161,84 @@ def _define_kernel():
     def quick_bench(fn, quantiles):
         return triton.testing.do_bench(fn, warmup=3, rep=10, quantiles=quantiles)
 
-    @triton.autotune(configs=configs, key=["BLOCK_M", "N", "K", "SPLIT_K"], do_bench=quick_bench)
+    @triton.autotune(configs=configs, key=["BLOCK_M", "N", "K", "SPLIT_K", "TREE"], do_bench=quick_bench)
     @triton.jit
     def kernel(x_ptr, q_ptr, a_ptr, a2_ptr, code_ptr, code2_ptr, offset_ptr, y_ptr, M, N, K, K_PER_SPLIT, stride_xm,
                stride_ym, stride_ys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               SPLIT_K: tl.constexpr):
+               SPLIT_K: tl.constexpr, TREE: tl.constexpr):
         # one program: all BLOCK_M rows of x against BLOCK_N rows of W over one split of K. W[n, k] is element
         # n*K + k of the flat weight, in byte (n*K + k) // 2 (high nibble first) and block of 64 (n*K + k) // 64,
         # whose absmax is double-quantised: code2[absmax code] * absmax2[block // 256] + offset. K and every split
-        # and tile are multiples of 64, so a tile's bytes are BLOCK_K // 2 consecutive ones per row of W, each
+        # and tile are multiples of 64, so each block of 64 columns is 32 consecutive bytes per row of W, each
         # loaded once: its high nibbles meet x's even columns, its low nibbles the odd ones (two products, no
-        # interleaving), and each block's absmax is read once and broadcast over its 32 bytes
-        HALF: tl.constexpr = BLOCK_K // 2
+        # interleaving). A tile of BLOCK_K columns is BLOCK_K // 64 such blocks, one after the other, each scaled by
+        # its own absmax [1, BLOCK_N] (a broadcast, no reshape)
         GROUPS: tl.constexpr = BLOCK_K // 64
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rh = tl.arange(0, HALF)
-        rg = tl.arange(0, GROUPS)
+        rh = tl.arange(0, 32)
         row_start = rn[None, :].to(tl.int64) * K  # [1, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         offset = tl.load(offset_ptr)
         for k0 in range(k_start, k_end, BLOCK_K):
-            even = k0 + 2 * rh  # [HALF]: the even columns of this tile
-            x_rows = x_ptr + rm[:, None] * stride_xm + even[None, :]
-            x_mask = (rm[:, None] < M) & (even[None, :] < k_end)
-            x_even = tl.load(x_rows, mask=x_mask, other=0.0)
-            x_odd = tl.load(x_rows + 1, mask=x_mask, other=0.0)
-            w_mask = (rn[None, :] < N) & (even[:, None] < k_end)  # [HALF, BLOCK_N]
-            byte = tl.load(q_ptr + (row_start + k0) // 2 + rh[:, None], mask=w_mask, other=0).to(tl.int32)
-            block = (row_start + k0) // 64 + rg[:, None]  # [GROUPS, BLOCK_N]
-            s_mask = (rn[None, :] < N) & (k0 + 64 * rg[:, None] < k_end)
-            absmax_code = tl.load(a_ptr + block, mask=s_mask, other=0).to(tl.int32)
-            absmax = (tl.load(code2_ptr + absmax_code) * tl.load(a2_ptr + block // 256, mask=s_mask, other=0.0)
-                      + offset)
-            absmax = tl.reshape(tl.broadcast_to(absmax[:, None, :], (GROUPS, 32, BLOCK_N)), (HALF, BLOCK_N))
-            high = (tl.load(code_ptr + (byte >> 4)) * absmax).to(x_even.dtype)
-            low = (tl.load(code_ptr + (byte & 15)) * absmax).to(x_even.dtype)
-            acc += tl.dot(x_even, high)
-            acc += tl.dot(x_odd, low)
+            for g in tl.static_range(GROUPS):
+                kg = k0 + 64 * g
+                even = kg + 2 * rh  # [32]: the even columns of this block
+                x_rows = x_ptr + rm[:, None] * stride_xm + even[None, :]
+                x_mask = (rm[:, None] < M) & (even[None, :] < k_end)
+                x_even = tl.load(x_rows, mask=x_mask, other=0.0)
+                x_odd = tl.load(x_rows + 1, mask=x_mask, other=0.0)
+                w_mask = (rn[None, :] < N) & (even[:, None] < k_end)  # [32, BLOCK_N]
+                byte = tl.load(q_ptr + (row_start + kg) // 2 + rh[:, None], mask=w_mask, other=0).to(tl.int32)
+                block = (row_start + kg) // 64  # [1, BLOCK_N]
+                s_mask = (rn[None, :] < N) & (kg + 0 * rn[None, :] < k_end)  # a tensor: the interpreter refuses
+                # a mask made with a scalar comparison
+                absmax_code = tl.load(a_ptr + block, mask=s_mask, other=0).to(tl.int32)
+                absmax = (tl.load(code2_ptr + absmax_code) * tl.load(a2_ptr + block // 256, mask=s_mask, other=0.0)
+                          + offset)  # [1, BLOCK_N]
+                for half in tl.static_range(2):  # the high nibbles against x's even columns, the low ones the odd
+                    if half == 0:
+                        nibble = byte >> 4
+                        x_half = x_even
+                    else:
+                        nibble = byte & 15
+                        x_half = x_odd
+                    if TREE:  # NF4_CODE[b3 b2 b1 b0] from constants, 15 selects (no memory access)
+                        b0 = (nibble & 1) != 0
+                        b1 = (nibble & 2) != 0
+                        b2 = (nibble & 4) != 0
+                        below = tl.where(b2,
+                                         tl.where(b1, tl.where(b0, 0.0, -0.09105003625154495),
+                                                  tl.where(b0, -0.18477343022823334, -0.28444138169288635)),
+                                         tl.where(b1, tl.where(b0, -0.39491748809814453, -0.5250730514526367),
+                                                  tl.where(b0, -0.6961928009986877, -1.0)))
+                        above = tl.where(b2,
+                                         tl.where(b1, tl.where(b0, 1.0, 0.7229568362236023),
+                                                  tl.where(b0, 0.5626170039176941, 0.44070982933044434)),
+                                         tl.where(b1, tl.where(b0, 0.33791524171829224, 0.24611230194568634),
+                                                  tl.where(b0, 0.16093020141124725, 0.07958029955625534)))
+                        value = tl.where((nibble & 8) != 0, above, below)
+                    else:  # gathered from the weight's own 16-entry table, one load per element
+                        value = tl.load(code_ptr + nibble)
+                    acc += tl.dot(x_half, (value * absmax).to(x_half.dtype))
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT_K == 1:
             tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
 
-    def launch(x, packed, absmax, absmax2, code, code2, offset, split):
+    def launch(x, packed, absmax, absmax2, code, code2, offset, split, tree=None):
         rows, k = x.shape
         n = packed.numel() * 2 // k
         k_per_split, split, out = split_output(x, n, split)
         kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)](
             x, packed, absmax, absmax2, code, code2, offset, out, rows, n, k, k_per_split, x.stride(0),
-            out.stride(-2), out.stride(0) if split > 1 else 0, BLOCK_M=block_rows(rows), SPLIT_K=split)
+            out.stride(-2), out.stride(0) if split > 1 else 0, BLOCK_M=block_rows(rows), SPLIT_K=split,
+            TREE=CODE_BY_TREE if tree is None else tree)
         return out if split == 1 else out.sum(0).to(x.dtype)
 
     LAUNCH.append(launch)

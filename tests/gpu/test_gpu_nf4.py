@@ -19,7 +19,7 @@ def test_nf4_kernel_matches_the_dequantised_product_and_prints_its_time(rows):
 
     torch.manual_seed(rows)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    step = dict(nf4=0.0, bnb=0.0, bf16=0.0)
+    step = dict(nf4=0.0, nf4_other=0.0, bnb=0.0, bf16=0.0)
     for name, (n, k, count) in QWEN_7B_DECODE_MATRICES.items():
         weight = Params4bit(torch.randn(n, k, dtype=torch.bfloat16) * 0.02, requires_grad=False, quant_type="nf4",
                             compress_statistics=True, blocksize=64).cuda()
@@ -29,23 +29,29 @@ def test_nf4_kernel_matches_the_dequantised_product_and_prints_its_time(rows):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         reference = F.linear(x, dense).float()
         ours = nf4.nf4_linear(x, parts).float()  # defines the kernel, chooses the split
+        def forced(split, tree):
+            return nf4.LAUNCH[0](x, parts["packed"], parts["absmax"], parts["absmax2"], parts["code"],
+                                 parts["code2"], parts["offset"], split, tree)
+
         for split in int8.split_candidates(n, k, sms):
-            forced = nf4.LAUNCH[0](x, parts["packed"], parts["absmax"], parts["absmax2"], parts["code"],
-                                   parts["code2"], parts["offset"], split).float()
-            error = ((forced - reference).norm() / reference.norm()).item()
+            by_tree = forced(split, True)
+            assert torch.equal(by_tree, forced(split, False)), (name, split)  # the same values, looked up two ways
+            error = ((by_tree.float() - reference).norm() / reference.norm()).item()
             assert error < 1e-2, (name, split, error)
         error = ((ours - reference).norm() / reference.norm()).item()
         assert error < 1e-2, (name, error)
+        chosen = nf4._SPLITS[(int8.block_rows(rows), n, k)]  # chosen with CODE_BY_TREE's lookup
         times = dict(nf4=graph_microseconds(lambda: nf4.nf4_linear(x, parts)),
+                     nf4_other=graph_microseconds(lambda: forced(chosen, not nf4.CODE_BY_TREE)),
                      bnb=graph_microseconds(lambda: bnb.matmul_4bit(x, weight, quant_state=weight.quant_state)),
                      bf16=graph_microseconds(lambda: F.linear(x, dense)))
         for key in step:
             step[key] += 28 * count * times[key]
-        chosen = nf4._SPLITS[(int8.block_rows(rows), n, k)]
-        print(f"\nrows {rows} {name} [{n} x {k}]: nf4 kernel {times['nf4']:.1f} us (split {chosen}), bitsandbytes "
-              f"{times['bnb']:.1f} us, bf16 {times['bf16']:.1f} us; relative difference {error:.2e}")
-    print(f"rows {rows}: a 7b decoding step's layer products: nf4 {step['nf4'] / 1e3:.2f} ms, bitsandbytes "
-          f"{step['bnb'] / 1e3:.2f} ms, bf16 {step['bf16'] / 1e3:.2f} ms")
+        print(f"\nrows {rows} {name} [{n} x {k}]: nf4 kernel {times['nf4']:.1f} us (split {chosen}, code by "
+              f"{'tree' if nf4.CODE_BY_TREE else 'gather'}; {times['nf4_other']:.1f} us the other way), "
+              f"bitsandbytes {times['bnb']:.1f} us, bf16 {times['bf16']:.1f} us; relative difference {error:.2e}")
+    print(f"rows {rows}: a 7b decoding step's layer products: nf4 {step['nf4'] / 1e3:.2f} ms (the other lookup "
+          f"{step['nf4_other'] / 1e3:.2f}), bitsandbytes {step['bnb'] / 1e3:.2f} ms, bf16 {step['bf16'] / 1e3:.2f} ms")
 
 
 @pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
