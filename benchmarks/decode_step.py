@@ -84,8 +84,9 @@ def main(argv=None):
                              "for a side-by-side run; its first rollout autotunes for minutes (over 4 at 1.5b on an H100)")
     parser.add_argument("--nf4_kernel", action="store_true",
                         help="qlora: decode through utils/nf4.py's kernel, which reads the 4-bit weights where they "
-                             "lie (DECODE_WITH_KERNEL, off: measured slower, 15.59 against bitsandbytes' 8.09 ms per step "
-                             "at 1.5b, 64 rows, H100), for a side-by-side run against bitsandbytes' own product")
+                             "lie (DECODE_WITH_KERNEL, off: its first version ran 15.59 against bitsandbytes' 8.09 ms per "
+                             "step at 1.5b, 64 rows, H100; rewritten since, not yet measured), for a side-by-side run "
+                             "against bitsandbytes' own product")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
