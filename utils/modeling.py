@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from utils.cli import UsageError
+from utils.placement import normalize_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -153,9 +154,7 @@ def quantization_kwargs(quantization, compute_dtype, device, skip_modules=None) 
                                     bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=skip_modules)
     else:
         config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # a bare "cuda" (--actor_device cuda): the current GPU;
-        device = torch.device("cuda", torch.cuda.current_device())  # from_pretrained refuses a None device
+    device = normalize_device(device)  # a bare "cuda" (--actor_device cuda): from_pretrained refuses a None index
     return dict(quantization_config=config, dtype=compute_dtype,
                 device_map={"": device.index if device.type == "cuda" else "cpu"})
 
