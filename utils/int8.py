@@ -174,7 +174,8 @@ def split_output(x, n, split):
     multiple of 512 columns (of every BLOCK_K), so perhaps fewer splits; the output [rows, N] in x's dtype when
     unsplit, else [splits, rows, N] float32 partial sums (added afterwards in a fixed order: deterministic)."""
     rows, k = x.shape
-    k_per_split = -(-(-(-k // split)) // 512) * 512
+    k_per_split = -(-k // split)  # ceil(K / split)
+    k_per_split = -(-k_per_split // 512) * 512  # rounded up to 512 columns
     split = -(-k // k_per_split)
     if split == 1:
         return k_per_split, 1, torch.empty(rows, n, dtype=x.dtype, device=x.device)
