@@ -12,8 +12,6 @@
                                                    # the decoding-attention kernel unsplit (one program per row and head)
     python benchmarks/decode_step.py --backends compiled --dtypes fp32 --short 400 --long 512 --generation_copy \
         --max_autotune                             # the step's matrix products autotuned by inductor (side by side)
-    python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora --rows 64 --nf4_kernel
-                                                   # QLoRA decoding through utils/nf4.py's kernel (side by side)
     python benchmarks/decode_step.py --backends compiled --dtypes bf16 --short 400 --long 512 --profile 12
                                                    # the workload's 768-position cache, and where the time goes
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora,lora --rows 32,64,128
@@ -82,11 +80,6 @@ def main(argv=None):
                         help="the compiled backend's step compiled with inductor's max_autotune (its matrix products "
                              "autotuned over Triton templates and cuBLAS; utils/generation.py DECODE_COMPILE_OPTIONS), "
                              "for a side-by-side run; its first rollout autotunes for minutes (over 4 at 1.5b on an H100)")
-    parser.add_argument("--nf4_kernel", action="store_true",
-                        help="qlora: decode through utils/nf4.py's kernel, which reads the 4-bit weights where they "
-                             "lie (DECODE_WITH_KERNEL, off: its first version ran 15.59 against bitsandbytes' 8.09 ms per "
-                             "step at 1.5b, 64 rows, H100; rewritten since, not yet measured), for a side-by-side run "
-                             "against bitsandbytes' own product")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N kernels (ops on a CPU) with the most time per decoding step (torch.profiler)")
     args = parser.parse_args(argv)
@@ -120,11 +113,6 @@ def main(argv=None):
     if args.max_autotune:
         import utils.generation as generation
         generation.DECODE_COMPILE_OPTIONS = {"max_autotune": True}
-    if args.nf4_kernel:
-        if "qlora" not in args.dtypes.split(",") or args.generation_copy:
-            parser.error("--nf4_kernel: QLoRA's own 4-bit layers, so with --dtypes qlora and without --generation_copy")
-        from utils import nf4
-        nf4.DECODE_WITH_KERNEL = True
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     config = shape_config(args.shape)

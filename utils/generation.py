@@ -5,7 +5,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from utils import decode_attention, nf4
+from utils import decode_attention
 from utils.base import CAPTURED_BACKENDS, static_cache_len
 from utils.memory import fake_oom_check
 from utils.modeling import uncompiled_blocks
@@ -393,8 +393,6 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     # 4-bit model on the CPU generates in train mode (no_grad keeps the KV cache on either way).
     if not (getattr(model, "is_loaded_in_4bit", False) and device.type == "cpu"):
         model.eval()
-    if getattr(model, "is_loaded_in_4bit", False) and device.type == "cuda":
-        nf4.prepare_decoding(model)  # QLoRA decoding through utils/nf4.py's kernel, where DECODE_WITH_KERNEL
     slices = []
     # slices of similar prompt lengths (longest first), each without the left padding all its rows
     # share: shorter prefills and caches; the rows go back to their order at the end
