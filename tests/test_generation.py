@@ -241,6 +241,47 @@ def test_packed_gqa_attention_equals_sdpa_with_repeated_heads():
     torch.testing.assert_close(ours, repeated.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
+def test_packed_attention_output_reaches_an_opaque_o_proj_as_one_matrix_under_compile():
+    """In a compiled step the packed attention's output reaches an op inductor cannot see into
+    (bitsandbytes' 4-bit/8-bit product of o_proj) with strides that fold [B, 1, Hq * D] into one
+    [B, Hq * D] matrix (stride(0) == stride(1)), so its F.linear is one matrix product. A transposed
+    [B, Hq, 1, D] view left the length-1 dimension's stride at D under inductor (eager reshapes fix
+    it): F.linear then ran a batched product of one row each over the weight broadcast B times
+    (7b QLoRA o_proj at 64 rows: 218 us against ~9, H100). The same numbers as eager."""
+    from types import SimpleNamespace
+
+    from utils.generation import packed_gqa_attention
+
+    if not hasattr(torch.ops.lean_rl_test, "linear_seeing_strides"):
+        @torch.library.custom_op("lean_rl_test::linear_seeing_strides", mutates_args=())
+        def linear_seeing_strides(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            _SEEN_STRIDES.append(x.stride())
+            return torch.nn.functional.linear(x, weight)
+
+        @linear_seeing_strides.register_fake
+        def _(x, weight):
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
+    _SEEN_STRIDES.clear()
+    module = SimpleNamespace(num_key_value_groups=6, is_causal=True, training=False)
+
+    def layer(query, key, value, mask, weight):
+        out, _ = packed_gqa_attention(module, query, key, value, mask)
+        return torch.ops.lean_rl_test.linear_seeing_strides(out.reshape(4, 1, -1).contiguous(), weight)
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(4, 12, 1, 16), torch.randn(4, 2, 40, 16), torch.randn(4, 2, 40, 16),
+              torch.ones(4, 1, 1, 40, dtype=torch.bool), torch.randn(24, 12 * 16))
+    eager = layer(*inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    assert len(_SEEN_STRIDES) == 2 and all(stride[0] == stride[1] for stride in _SEEN_STRIDES), _SEEN_STRIDES
+    torch.testing.assert_close(compiled, eager)
+
+
+_SEEN_STRIDES = []  # the strides linear_seeing_strides was called with
+
+
 def test_static_loop_decodes_through_the_packed_attention_and_restores_sdpa(monkeypatch):
     from utils import generation
 
