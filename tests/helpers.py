@@ -97,3 +97,35 @@ def sigterm_then_resume(script, common, tmp_path):
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return tmp_path / "full", stopped, int(match.group(2)), resumed.stdout
+
+
+def one_row_batched_products(model_dir, device, uncaptured=None):
+    """The shapes of every one-row batched product (aten::bmm of [rows, 1, hidden] by a weight broadcast
+    over the rows: how F.linear multiplies an input it cannot fold into one matrix) in a greedy rollout of `model_dir` loaded as QLoRA (bitsandbytes NF4,
+    r16 adapters, bf16 autocast on a GPU as the scripts run it) through the compiled decoding step, under
+    torch.profiler. uncaptured: a context that runs the step without its CUDA graph (each op seen with its
+    shapes). Also returns whether bitsandbytes' 4-bit product ran at all."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from utils.generation import static_cache_generate
+    from utils.modeling import apply_lora, load_causal_lm
+
+    model = load_causal_lm(model_dir, SimpleNamespace(pad_token_id=None), torch.bfloat16, quantization="4bit",
+                           device=device)
+    model = apply_lora(model, r=16, alpha=32, dropout=0.0, target_modules="all-linear")
+    if device != "cpu":
+        model.forward = torch.autocast(device, dtype=torch.bfloat16)(model.forward)
+    torch.manual_seed(0)
+    ids = torch.randint(5, 40, (8, 12), device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    with torch.no_grad(), uncaptured or nullcontext(), profile(activities=activities, record_shapes=True) as prof:
+        static_cache_generate(model, ids, torch.ones_like(ids), 4, 1.0, 1.0, 0, [10**9], model.config.pad_token_id,
+                              step_mode="compiled", greedy=True)
+    events = prof.events()
+    return ([e.input_shapes for e in events if e.name == "aten::bmm" and e.input_shapes
+             and e.input_shapes[0][1:] == [1, model.config.hidden_size]],
+            any("gemm_4bit" in e.name for e in events))

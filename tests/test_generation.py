@@ -282,6 +282,27 @@ def test_packed_attention_output_reaches_an_opaque_o_proj_as_one_matrix_under_co
 _SEEN_STRIDES = []  # the strides linear_seeing_strides was called with
 
 
+def test_qlora_rollout_runs_o_proj_and_the_prefill_lm_head_as_one_matrix_product(tmp_path):
+    """The same through bitsandbytes itself (its CPU 4-bit product), over a whole rollout of a QLoRA model
+    through the compiled decoding step (inductor, no CUDA graph on a CPU): no one-row batched product anywhere.
+    Before the fixes the profile held aten::bmm [8, 1, 512] x [8, 512, 512] once a layer at every decoding step
+    (o_proj after the packed attention) and [8, 1, 512] x [8, 512, V] at the prefill (the LM head on
+    transformers' slice of the last position)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import one_row_batched_products
+    from utils import toy
+
+    pytest.importorskip("bitsandbytes")
+    tokenizer = toy.build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    one_row, quantised = one_row_batched_products(str(tmp_path), "cpu")
+    assert quantised and not one_row, one_row[:3]
+
+
 def test_static_loop_decodes_through_the_packed_attention_and_restores_sdpa(monkeypatch):
     from utils import generation
 

@@ -87,14 +87,17 @@ def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding
     eos = torch.tensor(eos_token_ids, device=device)
     # prefill, `chunk` positions per forward (each chunk's queries see the cache up to their own
-    # position); only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits)
+    # position); only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits). It is
+    # picked by index (a copy, [B, 1, H] row-major), not by transformers' slice of the last position: that view
+    # kept the chunk's stride, so F.linear could not fold it into one matrix and ran B one-row products over the
+    # LM head broadcast B times (aten::bmm; CPU test)
     chunk = min(prefill_chunk_size or P, P)
     for start in range(0, P, chunk):
         end = min(start + chunk, P)
         logits = model(input_ids=input_ids[:, start:end], attention_mask=mask[:, :end],
                        position_ids=positions[:, start:end], past_key_values=cache,
                        cache_position=torch.arange(start, end, device=device), use_cache=True,
-                       logits_to_keep=1).logits[:, -1]
+                       logits_to_keep=torch.tensor([end - start - 1], device=device)).logits[:, -1]
     token, logprob = _pick(logits, *sampling)
     cache_positions = torch.arange(P, P + max_new_tokens, device=device)  # sliced per step: no host-to-device copy
     position = positions[:, -1:] + 1

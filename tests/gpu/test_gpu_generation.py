@@ -633,3 +633,24 @@ def test_max_autotune_decoding_step_keeps_the_greedy_tokens_on_gpu(monkeypatch):
                                                   step_mode="compiled", greedy=True))
         assert not [w for w in caught if "torch.compile failed" in str(w.message)]
     _assert_as_greedy(model, ids, mask, rollouts[1], rollouts[0], "compiled", "max_autotune", "the defaults")
+
+
+def test_qlora_rollout_runs_o_proj_and_the_prefill_lm_head_as_one_matrix_product_on_gpu(local_model, monkeypatch):
+    """A QLoRA model's rollout through the compiled decoding step, run without its CUDA graph so that the profiler
+    sees each op with its shapes: bitsandbytes' 4-bit product of o_proj after the packed attention, and the
+    prefill's LM head, are one matrix product each, not a batched product of one row each over the weight
+    broadcast (before 43ac109, o_proj's: 7b, 64 rows, 218 us a layer against ~9, H100). tests/test_generation.py
+    checks the same on a CPU."""
+    from contextlib import contextmanager
+
+    from helpers import one_row_batched_products
+    from utils import generation
+
+    @contextmanager
+    def uncaptured():
+        with monkeypatch.context() as patch:
+            patch.setattr(generation, "CAPTURED_BACKENDS", ())
+            yield
+
+    one_row, quantised = one_row_batched_products(local_model, "cuda", uncaptured())
+    assert quantised and not one_row, one_row[:3]
