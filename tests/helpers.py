@@ -100,11 +100,11 @@ def sigterm_then_resume(script, common, tmp_path):
 
 
 def one_row_batched_products(model_dir, device, uncaptured=None):
-    """The shapes of every one-row batched product (aten::bmm of [rows, 1, hidden] by a weight broadcast
-    over the rows: how F.linear multiplies an input it cannot fold into one matrix) in a greedy rollout of `model_dir` loaded as QLoRA (bitsandbytes NF4,
-    r16 adapters, bf16 autocast on a GPU as the scripts run it) through the compiled decoding step, under
-    torch.profiler. uncaptured: a context that runs the step without its CUDA graph (each op seen with its
-    shapes). Also returns whether bitsandbytes' 4-bit product ran at all."""
+    """The shapes of every one-row batched product (aten::bmm of [rows, 1, hidden] by a weight broadcast over
+    the rows: how F.linear multiplies an input it cannot fold into one matrix) in a greedy rollout of `model_dir`
+    loaded as QLoRA (bitsandbytes NF4, r16 adapters, bf16 autocast on a GPU as the scripts run it) through the
+    compiled decoding step, under torch.profiler; and whether bitsandbytes' 4-bit product ran at all. uncaptured:
+    a context that runs the step without its CUDA graph (each op seen with its shapes)."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 

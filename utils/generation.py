@@ -146,11 +146,11 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     else:
         out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
                                                                scale=scaling)
-    # [B, 1, Hq, D] with a row-major stride for the length-1 token dimension (the same numbers as [B, Hq, 1, D]
-    # transposed). The transposed view, to which .contiguous() is a no-op, kept the stride Hq * D would need, D:
-    # o_proj's F.linear outside inductor (bitsandbytes' 4-bit/8-bit product, the static and cudagraph steps) could not
-    # fold [B, 1, Hq * D] into one matrix and ran a batched matrix-vector product over a broadcast weight, one row
-    # at a time (7b QLoRA, 64 rows: 218 us per layer against ~9, 6.1 ms of a 25.0 ms step; H100, 2026-12-06)
+    # [B, 1, Hq, D], row-major: the same numbers as [B, Hq, 1, D] transposed. Under inductor that transposed view
+    # kept D as the stride of the length-1 token dimension (.contiguous() is a no-op on it), so an op inductor cannot
+    # see into (bitsandbytes' 4-bit/8-bit product of o_proj) got a [B, 1, Hq * D] that F.linear could not fold into
+    # one matrix: B one-row products over the weight broadcast B times (aten::bmm; 7b QLoRA, 64 rows: 218 us a layer
+    # against ~9 alone, 6.1 ms of a 25.0 ms step; H100, 2026-12-06). Eager reshapes restore the stride
     return out.reshape(batch, 1, heads, dim), None
 
 
