@@ -99,13 +99,11 @@ def sigterm_then_resume(script, common, tmp_path):
     return tmp_path / "full", stopped, int(match.group(2)), resumed.stdout
 
 
-def one_row_batched_products(model_dir, device, uncaptured=None):
+def one_row_batched_products(model_dir, device):
     """The shapes of every one-row batched product (aten::bmm of [rows, 1, hidden] by a weight broadcast over
     the rows: how F.linear multiplies an input it cannot fold into one matrix) in a greedy rollout of `model_dir`
     loaded as QLoRA (bitsandbytes NF4, r16 adapters, bf16 autocast on a GPU as the scripts run it) through the
-    compiled decoding step, under torch.profiler; and whether bitsandbytes' 4-bit product ran at all. uncaptured:
-    a context that runs the step without its CUDA graph (each op seen with its shapes)."""
-    from contextlib import nullcontext
+    compiled decoding step, under torch.profiler; and whether bitsandbytes' 4-bit product ran at all."""
     from types import SimpleNamespace
 
     import torch
@@ -122,7 +120,7 @@ def one_row_batched_products(model_dir, device, uncaptured=None):
     torch.manual_seed(0)
     ids = torch.randint(5, 40, (8, 12), device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
-    with torch.no_grad(), uncaptured or nullcontext(), profile(activities=activities, record_shapes=True) as prof:
+    with torch.no_grad(), profile(activities=activities, record_shapes=True) as prof:
         static_cache_generate(model, ids, torch.ones_like(ids), 4, 1.0, 1.0, 0, [10**9], model.config.pad_token_id,
                               step_mode="compiled", greedy=True)
     events = prof.events()

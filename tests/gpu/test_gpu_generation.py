@@ -641,16 +641,9 @@ def test_qlora_rollout_runs_o_proj_and_the_prefill_lm_head_as_one_matrix_product
     prefill's LM head, are one matrix product each, not a batched product of one row each over the weight
     broadcast (before 43ac109, o_proj's: 7b, 64 rows, 218 us a layer against ~9, H100). tests/test_generation.py
     checks the same on a CPU."""
-    from contextlib import contextmanager
-
     from helpers import one_row_batched_products
     from utils import generation
 
-    @contextmanager
-    def uncaptured():
-        with monkeypatch.context() as patch:
-            patch.setattr(generation, "CAPTURED_BACKENDS", ())
-            yield
-
-    one_row, quantised = one_row_batched_products(local_model, "cuda", uncaptured())
+    monkeypatch.setattr(generation, "CAPTURED_BACKENDS", ())  # the step uncaptured: each op seen with its shapes
+    one_row, quantised = one_row_batched_products(local_model, "cuda")
     assert quantised and not one_row, one_row[:3]
