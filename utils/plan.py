@@ -530,11 +530,12 @@ DECODE_LAYER_S = {"compiled": 0.092e-3, "cudagraph": 0.174e-3, "static": 0.45e-3
 # bitsandbytes 4-bit: dequantising costs DEQUANT_S per weight at every matmul call (decode step,
 # micro-batch pass); int8 is not measured (assumed twice that)
 DEQUANT_S = {4: 2.7e-12, 8: 5.4e-12}
-# ... and in a decoding step of `rows` rows it costs DECODE_DEQUANT_S x rows / (rows + DECODE_DEQUANT_ROWS) per
-# weight: fitted to the 7b QLoRA rollouts at 32 rows a slice (18.4 ms a step) and 128 (30.3 ms), checked on 64
-# (25.1 ms measured; this term 5% under what that implies); the row dependence is measured, its cause is not
-# located (bitsandbytes' 4-bit matmul at small M). 8-bit: assumed twice 4-bit's
-DECODE_DEQUANT_S, DECODE_DEQUANT_ROWS = {4: 4.82e-12, 8: 9.64e-12}, 65
+# ... and a decoding step (bitsandbytes dequantises each matrix to bf16, then cuBLAS reads it: memory-bound) moves
+# DECODE_DEQUANT_BYTES per weight beyond the 4-bit codes, at the bandwidth: fitted to the 7b QLoRA 12GB budget row's
+# rollouts after 43ac109 (o_proj's product no longer one-row products) on one H100, 2026-12-06 (slices of 64 rows:
+# generate 22.07 s, 12.4 ms a decoding step for this term). The fit of 2026-12-01 (seconds per weight rising with
+# the rows) had the one-row products in it. 8-bit: assumed twice 4-bit's
+DECODE_DEQUANT_BYTES = {4: 5.28, 8: 10.56}
 # LoRA through the unmerged adapter: per adapted Linear and call, eager (training passes, hf decoding)
 # or inside a captured step. A bf16 base's inputs reach the float32 adapters uncast under autocast
 # (utils/modeling.py skip_input_casts_under_autocast; PEFT's cast and its gradient's are not counted: with them
@@ -698,8 +699,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             weight_bytes = shape.linear_params * bits / 8 + (shape.params - shape.linear_params) * 2
         else:
             weight_bytes = shape.params * (8 if fp32_autocast else trained_bytes)  # fp32: read, cast, read again
-        dequant = (shape.linear_params * DECODE_DEQUANT_S[bits] * slice_rows / (slice_rows + DECODE_DEQUANT_ROWS)
-                   if (lora and bits) else 0.0)
+        dequant = shape.linear_params * DECODE_DEQUANT_BYTES[bits] / (bw * DECODE_EFF) if (lora and bits) else 0.0
         adapter_s = adapters * (ADAPTER_CAPTURED_S if backend in CAPTURED_BACKENDS else ADAPTER_EAGER_S)
         if lora and backend in CAPTURED_BACKENDS:
             unmeasured.append("LoRA adapters inside a captured decoding step (15 us each assumed)")
@@ -1233,6 +1233,9 @@ WORKLOAD_PPO = ["--prompts_per_step", "128", "--max_prompt_length", "256", "--ma
 # TIME_FIT and TIME_HELD_OUT runs of a code path changed since: {flags: what changed}; --measured lists them as
 # `old code`, not counted, and tests/test_plan.py skips them (as BUDGET_RUNS' `superseded`)
 TIME_SUPERSEDED = {
+    "--use_gradient_checkpointing --use_lora --load_in_4bit --generation_backend compiled": (
+        "43ac109 (2026-12-06): the compiled decoding step ran QLoRA's o_proj as one-row products over its weight "
+        "broadcast; the decoding step's dequantising (DECODE_DEQUANT_BYTES) was refit to rollouts without them"),
     "--param_offload --offload_policy embedding,lm_head --generation_backend hf": (
         "HostStepped (2026-12-05): the offloaded float32 matrix steps through torch's fused CPU AdamW on its own "
         "parameter group; PARAM_OFFLOAD was refit to a run of that (2026-12-05), after which this run of 2026-11-30 "
@@ -1308,6 +1311,8 @@ TIME_HELD_OUT = [
 # counted in its summary of today's code
 _OFFLOAD_OUT_OF_COMPILE = ("04ef21d (2026-12-05): activation offload kept out of torch.compile, which had traced it "
                            "and run the backward's recompute uncompiled")
+_ONE_ROW_PRODUCTS = ("43ac109 (2026-12-06): the compiled decoding step ran QLoRA's o_proj as one-row products over "
+                     "its weight broadcast (7b, 64 rows: 6.1 ms of a 25.0 ms step, H100)")
 _HOST_STEPPED = ("HostStepped (2026-12-05): --param_offload's weights step through torch's fused CPU AdamW, not "
                  "the --optim's step on CPU tensors (torchao's compiled 8-bit step for bf16 weights)")
 BUDGET_RUNS = [
@@ -1340,12 +1345,14 @@ BUDGET_RUNS = [
                 "--generation_slice_size 64 --generation_backend compiled --empty_cache_between_phases").split()),
     dict(row="7b_qlora_24gb (4-bit decoding)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=20.55,
          step_time_s=29.17,
+         superseded=_ONE_ROW_PRODUCTS,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload "
                 "--logprob_chunk_size 256 --generation_backend compiled --per_device_train_batch_size 32").split()),
     # a session later: the two rows not run before (planned after both changes). 7b 12GB: its first rollout
     # ran out of memory at the planned --generation_slice_size 64 and --auto_reduce_micro_batch went on with
     # 32; here as it ran in steps 2-3 (slices of 32: peak reserved 9.21 GiB in the update, 52.59 s)
     dict(row="7b_qlora_12gb (slices of 32)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.21, step_time_s=52.59,
+         superseded=_ONE_ROW_PRODUCTS,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 32 --generation_backend compiled --empty_cache_between_phases").split()),
     dict(row="ppo_7b_80gb (optimizer on the GPU)", shape="qwen2.5-7b", algo="ppo", peak_reserved_gib=66.16, step_time_s=41.16,
@@ -1363,6 +1370,7 @@ BUDGET_RUNS = [
     # the median of steps 2-3. 1.5b 24GB: its step 2 (14.2 s) recompiled in ref and update, step 3 took 8.4 s;
     # it ran with the --generation_copy built with weight initialisation at every rollout (fixed after)
     dict(row="7b_qlora_12gb (no activation offload)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=9.69, step_time_s=39.72,
+         superseded=_ONE_ROW_PRODUCTS,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --logprob_chunk_size 256 "
                 "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
                 "--empty_cache_between_phases").split()),
@@ -1580,6 +1588,7 @@ BUDGET_RUNS += [
                 "--ref_device swap --per_device_train_batch_size 16").split()),
     dict(row="7b_qlora_12gb", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=10.32, step_time_s=39.35,
          copy_shared=True,
+         superseded=_ONE_ROW_PRODUCTS,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload --logprob_chunk_size 256 "
                 "--optimizer_offload --generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
                 "--empty_cache_between_phases --per_device_train_batch_size 16").split()),
@@ -1789,6 +1798,7 @@ BUDGET_RUNS += [
                 "--per_device_train_batch_size 2").split()),
     dict(row="7b_qlora_12gb, logprob Function (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=10.50,
          step_time_s=42.92, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         superseded=_ONE_ROW_PRODUCTS,
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload --logprob_chunk_size 256 "
                 "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
                 "--empty_cache_between_phases --per_device_train_batch_size 16").split()),
@@ -1797,6 +1807,18 @@ BUDGET_RUNS += [
          flags=("--use_lora --torch_dtype bfloat16 --reward_model_name_or_path x --use_gradient_checkpointing "
                 "--generation_backend compiled --generation_copy --empty_cache_between_phases "
                 "--per_device_train_batch_size 32").split()),
+]
+
+BUDGET_RUNS += [
+    # 2026-12-06 (stop 48), one H100 80GB HBM3: the 7b QLoRA 12GB row after 43ac109 and bbad4df (o_proj and the
+    # prefill's LM head as one matrix product each), the plan unchanged (`python benchmarks/budget.py --rows
+    # 7b_qlora_12gb --steps 3`; benchmarks/results/stop48_h100/): generate 22.07 s (28.21 before), ref 2.99, update
+    # 12.61. The 7b QLoRA 24GB row (int8 copy) ran again the same hour: 20.61 s, 19.55 GiB (20.70 before; not listed)
+    dict(row="7b_qlora_12gb, one-matrix o_proj (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=10.48,
+         step_time_s=37.72, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True, fitted=True,
+         flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload --logprob_chunk_size 256 "
+                "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
+                "--empty_cache_between_phases --per_device_train_batch_size 16").split()),
 ]
 
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
