@@ -67,6 +67,7 @@ BAD_INPUTS = [
     (["--generation_copy_in_place", "--generation_copy"], "--generation_copy_in_place needs --use_lora"),
     (["--generation_copy_in_place", "--generation_copy", "--use_lora"],
      "--generation_copy_in_place needs --torch_dtype bfloat16 (the base is float32)"),
+    (["--use_bnb_nested_quant", "false"], "--use_bnb_nested_quant false keeps --load_in_4bit's statistics in float32"),
 ]
 
 

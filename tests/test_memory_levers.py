@@ -642,3 +642,52 @@ def test_quantised_loading_places_a_bare_cuda_on_the_current_gpu(device, expecte
     assert quantization_kwargs("4bit", torch.bfloat16, device)["device_map"] == expected
     assert quantization_kwargs("8bit", torch.bfloat16, device)["device_map"] == expected
     assert quantization_kwargs(None, torch.bfloat16, device) == {}
+
+
+# the 16 NF4 levels (Dettmers et al. 2023, QLoRA, appendix E), for a reference computed here and not by bitsandbytes
+NF4_LEVELS = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+              1.0]
+
+
+def test_unnested_4bit_weights_dequantise_with_each_blocks_exact_statistic(biased_local_model):
+    """--use_bnb_nested_quant false ('4bit_unnested'): every 64-weight block of a quantised Linear dequantises to
+    its NF4 levels times the block's exact absmax (the reference here: nearest level of w / absmax, from the saved
+    weights); double quantisation (the default) stores the absmax in 8 bits, so its blocks come back scaled by a
+    statistic off by up to about 1%. The storage difference per quantised weight is the planner's
+    NESTED_SAVED_BYTES."""
+    from transformers import LlamaForCausalLM
+
+    bnb = pytest.importorskip("bitsandbytes")
+    import utils.plan as P
+    from utils.modeling import load_causal_lm
+
+    model_dir, tokenizer_dir = biased_local_model
+    tokenizer = toy.build_tokenizer()
+    plain = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    weight = plain.model.layers[0].mlp.down_proj.weight.detach().float()  # [out, in]
+    blocks = weight.reshape(-1, 64)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    levels = torch.tensor(NF4_LEVELS)
+    nearest = (blocks / absmax).unsqueeze(-1).sub(levels).abs().argmin(dim=-1)
+    reference = (levels[nearest] * absmax).reshape(weight.shape)
+    stored, dequantised = {}, {}
+    for quantization in ("4bit", "4bit_unnested"):
+        model = load_causal_lm(model_dir, tokenizer, torch.bfloat16, quantization=quantization, device="cpu")
+        param = model.model.layers[0].mlp.down_proj.weight
+        state = param.quant_state
+        assert state.nested == (quantization == "4bit")
+        dequantised[quantization] = bnb.functional.dequantize_4bit(param.data, state).float()
+        numel = weight.numel()
+        stats = state.absmax.numel() * state.absmax.element_size()
+        if state.nested:
+            stats += state.state2.absmax.numel() * state.state2.absmax.element_size()
+        stored[quantization] = stats / numel
+    exact = dequantised["4bit_unnested"]
+    reference = reference.to(torch.bfloat16).float()  # bitsandbytes dequantises into the compute dtype
+    assert (exact == reference).float().mean() > 0.999, (exact == reference).float().mean()
+    assert (dequantised["4bit"] == reference).float().mean() < 0.9  # the test can tell the two apart
+    nested_scale = (dequantised["4bit"].reshape(-1, 64).abs().amax(1) / exact.reshape(-1, 64).abs().amax(1))
+    assert (nested_scale - 1).abs().max() < 0.02 and (nested_scale != 1).any()
+    assert stored["4bit_unnested"] - stored["4bit"] == pytest.approx(P.NESTED_SAVED_BYTES, rel=0.01)

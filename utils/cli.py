@@ -68,8 +68,8 @@ HELP_SECTIONS = {
     "rewards": ("reward_funcs", "reward_weights", "reward_model_name_or_path"),
     "memory": (
         "use_gradient_checkpointing", "activation_offload", "use_dynamic_bsz", "max_token_len_per_gpu",
-        "logprob_chunk_size", "entropy_checkpointing", "optim", "load_in_4bit", "load_in_8bit", "ref_offload",
-        "reward_offload", "param_offload", "optimizer_offload", "offload_policy", "generation_slice_size",
+        "logprob_chunk_size", "entropy_checkpointing", "optim", "load_in_4bit", "load_in_8bit", "use_bnb_nested_quant",
+        "ref_offload", "reward_offload", "param_offload", "optimizer_offload", "offload_policy", "generation_slice_size",
         "prefill_chunk_size", "kv_cache_dtype", "empty_cache_between_phases",
         "auto_reduce_micro_batch", "plan", "auto_memory", "gpu_memory", "log_memory_every", "memory_report",
         "memory_snapshot", "memory_snapshot_step", "profile_step"),
@@ -111,7 +111,8 @@ _NO_HUB = "nothing is pushed: upload output_dir/final yourself (huggingface-cli 
 _VLLM = ("generation runs in the training process, no vLLM: for speed use --generation_backend static, "
          "cudagraph or compiled (GPU)")
 _LORA = "LoRA here is --use_lora with --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules"
-_NF4 = "--load_in_4bit is NF4 with double quantisation, computing in the mixed-precision dtype"
+_NF4 = ("--load_in_4bit is NF4 computing in the mixed-precision dtype; double quantisation is "
+        "--use_bnb_nested_quant (on unless false)")
 _REF = "the reference stays the initial policy (no reference updates)"
 TRL_NOT_HERE = {  # TRL flags with no meaning here -> what to use instead (one line each)
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_gpu_memory_utilization": _VLLM,
@@ -134,7 +135,7 @@ TRL_NOT_HERE = {  # TRL flags with no meaning here -> what to use instead (one l
     "gradient_checkpointing_kwargs": "checkpointing here is always non-reentrant: --use_gradient_checkpointing",
     "use_rslora": _LORA, "use_dora": _LORA, "lora_modules_to_save": _LORA, "lora_task_type": _LORA,
     "lora_target_parameters": _LORA,
-    "bnb_4bit_quant_type": _NF4, "use_bnb_nested_quant": _NF4, "bnb_4bit_quant_storage": _NF4,
+    "bnb_4bit_quant_type": _NF4, "bnb_4bit_quant_storage": _NF4,
     "model_revision": "download that revision to a folder (huggingface-cli download --revision ...) and give the folder",
     "logging_strategy": "--logging_steps (log every this many steps)",
     "remove_unused_columns": "every dataset column already reaches the reward functions",

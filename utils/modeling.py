@@ -140,17 +140,18 @@ def load_tokenizer(model_name_or_path, trust_remote_code=False, tokenizer_name_o
 
 
 def quantization_kwargs(quantization, compute_dtype, device, skip_modules=None) -> dict:
-    """from_pretrained arguments for --load_in_4bit (NF4, double quantisation, computing in
-    `compute_dtype`) or --load_in_8bit, loaded straight onto `device` (a bitsandbytes model
-    cannot be moved after loading); {} for no quantisation. Non-quantised weights (embeddings,
-    norms, heads) load in `compute_dtype`."""
+    """from_pretrained arguments for --load_in_4bit (quantization '4bit': NF4, double quantisation, computing in
+    `compute_dtype`; '4bit_unnested': the blocks' statistics kept in float32, --use_bnb_nested_quant false) or
+    --load_in_8bit ('8bit'), loaded straight onto `device` (a bitsandbytes model cannot be moved after loading);
+    {} for no quantisation. Non-quantised weights (embeddings, norms, heads) load in `compute_dtype`."""
     if quantization is None:
         return {}
     from transformers import BitsAndBytesConfig
 
     compute_dtype = torch.bfloat16 if compute_dtype in ("auto", None) else compute_dtype
-    if quantization == "4bit":
-        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+    if quantization in ("4bit", "4bit_unnested"):
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                    bnb_4bit_use_double_quant=quantization == "4bit",
                                     bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=skip_modules)
     else:
         config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
@@ -160,11 +161,13 @@ def quantization_kwargs(quantization, compute_dtype, device, skip_modules=None) 
 
 
 def quantization_of(args, trained=False):
-    """'4bit' / '8bit' / None for a model: frozen ones always follow --load_in_*, trained ones
-    only with --use_lora (QLoRA)."""
+    """'4bit' / '4bit_unnested' (--use_bnb_nested_quant false) / '8bit' / None for a model: frozen ones always
+    follow --load_in_*, trained ones only with --use_lora (QLoRA)."""
     if trained and not args.use_lora:
         return None
-    return "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else None
+    if args.load_in_4bit:
+        return "4bit" if args.use_bnb_nested_quant else "4bit_unnested"
+    return "8bit" if args.load_in_8bit else None
 
 
 def is_quantized(model) -> bool:

@@ -157,9 +157,11 @@ def load_shape(model) -> Shape:
 
 def _storage_bytes(args):
     """(bytes per trained weight in --torch_dtype, bytes per quantised frozen weight with --load_in_4bit /
-    --load_in_8bit (with the scales) or None)."""
+    --load_in_8bit (with the scales; 4-bit's double-quantised unless --use_bnb_nested_quant false) or None)."""
     trained = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
-    return trained, (0.52 if args.load_in_4bit else 1.02 if args.load_in_8bit else None)
+    nested = getattr(args, "use_bnb_nested_quant", True)
+    return trained, ((0.52 if nested else 0.52 + NESTED_SAVED_BYTES) if args.load_in_4bit else 1.02 if args.load_in_8bit
+                     else None)
 
 
 def _optimizer_bytes_per_param(optim, weight_bytes):
@@ -536,6 +538,20 @@ DEQUANT_S = {4: 2.7e-12, 8: 5.4e-12}
 # generate 22.07 s, 12.4 ms a decoding step for this term). The fit of 2026-12-01 (seconds per weight rising with
 # the rows) had the one-row products in it. 8-bit: assumed twice 4-bit's
 DECODE_DEQUANT_BYTES = {4: 5.28, 8: 10.56}
+# --use_bnb_nested_quant false: the 4-bit blocks' statistics kept in float32 instead of double-quantised. Saves the
+# statistics' own dequantising at every product: 0.90 ms of the 7b QLoRA decoding step at 64 rows (17.90 against
+# 18.80 ms, H100, 2026-12-06, benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora --rows
+# 64), taken per weight and call for the training passes too (not measured there); costs NESTED_SAVED_BYTES a
+# quantised weight (a float32 statistic per 64 weights against an 8-bit one and its float32 statistic per 256)
+DOUBLE_QUANT_S = 1.4e-13
+NESTED_SAVED_BYTES = 4 / 64 - 1 / 64 - 4 / (64 * 256)
+
+
+def dequant_s(bits, args):
+    """Seconds per quantised weight that bitsandbytes' dequantising adds to one product call (DEQUANT_S), less
+    the statistics' own with --use_bnb_nested_quant false (4-bit only)."""
+    nested = getattr(args, "use_bnb_nested_quant", True)
+    return DEQUANT_S[bits] - (DOUBLE_QUANT_S if bits == 4 and not nested else 0.0)
 # LoRA through the unmerged adapter: per adapted Linear and call, eager (training passes, hf decoding)
 # or inside a captured step. A bf16 base's inputs reach the float32 adapters uncast under autocast
 # (utils/modeling.py skip_input_casts_under_autocast; PEFT's cast and its gradient's are not counted: with them
@@ -632,7 +648,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         t = 2 * params * tokens / mm_mb + elementwise * (COMPILED_FORWARD if compiled else 1)
         t += n_mb * shape.layers * MB_LAYER_S
         if quantized:
-            t += n_mb * shape.linear_params * DEQUANT_S[quantized]
+            t += n_mb * shape.linear_params * dequant_s(quantized, args)
         if with_adapters:
             t += n_mb * adapters * ADAPTER_EAGER_S
         return t
@@ -659,7 +675,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             # without it; an eager 1.5b float32 pair ran the same with and without the flag). Counted, not fitted
             t += 2 * shape.layers * tokens * shape.hidden * residual_bytes / host
         if quantized:
-            t += passes * n_mb * shape.linear_params * DEQUANT_S[quantized]
+            t += passes * n_mb * shape.linear_params * dequant_s(quantized, args)
         if lora:
             t += passes * n_mb * adapters * ADAPTER_EAGER_S
         if fp32_autocast and not lora:  # bf16 casts of the fp32 weights in every pass, fp32 gradients accumulated
@@ -699,7 +715,9 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             weight_bytes = shape.linear_params * bits / 8 + (shape.params - shape.linear_params) * 2
         else:
             weight_bytes = shape.params * (8 if fp32_autocast else trained_bytes)  # fp32: read, cast, read again
-        dequant = shape.linear_params * DECODE_DEQUANT_BYTES[bits] / (bw * DECODE_EFF) if (lora and bits) else 0.0
+        # (less the statistics' own dequantising with --use_bnb_nested_quant false)
+        dequant = (shape.linear_params * (DECODE_DEQUANT_BYTES[bits] / (bw * DECODE_EFF)
+                                          - (DEQUANT_S[bits] - dequant_s(bits, args))) if (lora and bits) else 0.0)
         adapter_s = adapters * (ADAPTER_CAPTURED_S if backend in CAPTURED_BACKENDS else ADAPTER_EAGER_S)
         if lora and backend in CAPTURED_BACKENDS:
             unmeasured.append("LoRA adapters inside a captured decoding step (15 us each assumed)")
@@ -721,7 +739,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         prefill += slices * (-(-P // chunk) - 1) * shape.layers * MB_LAYER_S
     generate = slices * C * decode_step + prefill
     if args.generation_copy:  # the refresh: float32 merged weights written and read, the copy written
-        generate += (shape.params * 6 / bw + (shape.linear_params * DEQUANT_S[bits] if bits else 0)
+        generate += (shape.params * 6 / bw + (shape.linear_params * dequant_s(bits, args) if bits else 0)
                      + (shape.params * 8 / bw if args.generation_copy_dtype == "int8" else 0))  # + quantising
     if args.param_offload and not args.generation_copy:  # one GPU copy of each offloaded matrix for the phase
         moved = _offloaded_embeddings(shape, args.offload_policy)
@@ -875,6 +893,8 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
             axis("generation_copy_in_place", [False, True])  # the copy without its bytes (LoRA on a bf16 base)
         if args.load_in_4bit or args.load_in_8bit:  # rollouts already sample from quantised weights
             axis("generation_copy_dtype", ["bfloat16", "int8"])
+    # (--use_bnb_nested_quant false is modelled, not searched: it changes numerics slightly and adds 0.28 GiB at 7b,
+    # where the 7b QLoRA 12GB row already peaks at 10.48 of its 10.5 GiB (9.6 estimated); no budget row ran with it)
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
     axis("prefill_chunk_size", [None] + ([PREFILL_CHUNK] if PREFILL_CHUNK < args.max_prompt_length else []))
     axis("empty_cache_between_phases", [False, True])

@@ -376,6 +376,28 @@ def test_grpo_trains_qlora_from_an_int8_copy_on_gpu(run, tmp_path, local_model):
     assert len(rows) == 2 and all(r["optim/grad_norm"] > 0 for r in rows)
 
 
+def test_qlora_with_float32_statistics_trains_and_decodes_on_gpu(run, tmp_path, local_model):
+    """--use_bnb_nested_quant false on a GPU: the 4-bit weights load with float32 statistics (no double
+    quantisation) onto the GPU, and a QLoRA run decoding through bitsandbytes' products in the compiled step
+    trains."""
+    from types import SimpleNamespace
+
+    from utils.modeling import load_causal_lm
+
+    model = load_causal_lm(local_model, SimpleNamespace(pad_token_id=None), torch.bfloat16,
+                           quantization="4bit_unnested", device="cuda")
+    state = model.model.layers[0].mlp.down_proj.weight.quant_state
+    assert not state.nested and state.absmax.dtype == torch.float32 and state.absmax.is_cuda
+    del model
+    result = run(["--model_name_or_path", local_model, "--max_steps", "2", "--prompts_per_step", "8",
+                  "--num_generations", "4", "--max_completion_length", "32", "--use_lora", "--load_in_4bit",
+                  "--use_bnb_nested_quant", "false", "--generation_backend", "compiled",
+                  "--output_dir", str(tmp_path), "--save_strategy", "no"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(tmp_path)
+    assert len(rows) == 2 and all(r["optim/grad_norm"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("quantised", [False, True, "in_place"], ids=["lora", "qlora", "lora_in_place"])
 def test_grpo_trains_lora_generating_from_the_copy_on_gpu(run, tmp_path, local_model, quantised):
     result = run(["--model_name_or_path", local_model, "--max_steps", "3", "--prompts_per_step", "8",
