@@ -16,6 +16,8 @@
                                                    # the workload's 768-position cache, and where the time goes
     python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora,lora --rows 32,64,128
                                                    # QLoRA / LoRA as the scripts decode them, by rows per slice
+    python benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora,qlora_unnested --rows 64
+                                                   # --use_bnb_nested_quant false side by side
 
 A random-weight model of the shape (benchmarks/memory.py's config, SDPA attention) is built on
 the device, in bf16 and/or in float32 under bf16 autocast (the scripts' default numerics), or as the
@@ -57,7 +59,8 @@ def main(argv=None):
     parser.add_argument("--backends", default="static,cudagraph,compiled,hf")
     parser.add_argument("--dtypes", default="bf16,fp32",
                         help="bf16 weights, float32 weights under bf16 autocast, lora (bf16 base + r16 adapters), "
-                             "qlora (NF4 base + r16 adapters); comma list")
+                             "qlora (NF4 base + r16 adapters), qlora_unnested (the same, --use_bnb_nested_quant false: "
+                             "float32 block statistics); comma list")
     parser.add_argument("--rows", default="128", help="rows decoded at once (a generation slice); comma list")
     parser.add_argument("--cache_dir", default="/tmp/lean_rl_bench", help="where lora/qlora's random model is saved")
     parser.add_argument("--prompt_length", type=int, default=256)
@@ -87,9 +90,10 @@ def main(argv=None):
         parser.error("--short and --long: 0 < short < long")
     if args.profile < 0:
         parser.error(f"--profile {args.profile}: the number of kernels to print, 0 (no profile) or more")
-    unknown = set(args.dtypes.split(",")) - {"bf16", "fp32", "lora", "qlora"}
+    unknown = set(args.dtypes.split(",")) - {"bf16", "fp32", "lora", "qlora", "qlora_unnested"}
     if unknown:
-        parser.error(f"--dtypes {args.dtypes}: {', '.join(sorted(unknown))} unknown; bf16, fp32, lora, qlora")
+        parser.error(f"--dtypes {args.dtypes}: {', '.join(sorted(unknown))} unknown; bf16, fp32, lora, qlora, "
+                     "qlora_unnested")
     try:
         row_counts = [int(r) for r in args.rows.split(",")]
     except ValueError:
@@ -133,7 +137,7 @@ def main(argv=None):
         return time.perf_counter() - start
 
     for dtype in args.dtypes.split(","):
-        if dtype in ("lora", "qlora"):
+        if dtype in ("lora", "qlora", "qlora_unnested"):
             model = adapted_model(args.shape, dtype, args.cache_dir, device)
         else:
             with torch.device(device):
@@ -143,7 +147,7 @@ def main(argv=None):
             model.forward = torch.autocast(device, dtype=torch.bfloat16)(model.forward)  # as accelerate's prepare
         # what one step reads: under autocast the float32 weights; NF4 linears at half a byte (their scales left out)
         weight_bytes = (shape.params * 2 if args.generation_copy else
-                        shape.linear_params / 2 + (shape.params - shape.linear_params) * 2 if dtype == "qlora"
+                        shape.linear_params / 2 + (shape.params - shape.linear_params) * 2 if dtype.startswith("qlora")
                         else shape.params * (4 if dtype == "fp32" else 2))
         context = args.prompt_length + (args.short + args.long) / 2
         for rows, backend in [(r, b) for b in args.backends.split(",") for r in row_counts]:
@@ -160,7 +164,7 @@ def main(argv=None):
             short, long = seconds(lambda: rollout(args.short)), seconds(lambda: rollout(args.long))
             step_ms = (long - short) / (args.long - args.short) * 1e3
             allocated = torch.cuda.memory_allocated() / 2**30 if on_gpu else float("nan")
-            print(f"{dtype:5s} {backend:10s} {rows:4d} rows {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
+            print(f"{dtype:14s} {backend:10s} {rows:4d} rows {step_ms:7.2f} ms per step vs {floor_ms:.2f} ms floor "
                   f"({floor_ms / step_ms:.0%}) | first rollout {first:.1f} s | allocated after {allocated:.2f} GiB",
                   flush=True)
             if args.profile:
@@ -178,7 +182,8 @@ def main(argv=None):
 
 def adapted_model(shape, kind, cache_dir, device):
     """The random-weight model of `shape`, saved once under cache_dir and loaded as the scripts load
-    --use_lora (lora: bf16; qlora: --load_in_4bit onto `device`), with r16 adapters on every Linear."""
+    --use_lora (lora: bf16; qlora: --load_in_4bit onto `device`; qlora_unnested: with --use_bnb_nested_quant false),
+    with r16 adapters on every Linear."""
     from types import SimpleNamespace
 
     import torch
@@ -190,7 +195,7 @@ def adapted_model(shape, kind, cache_dir, device):
     folder = cached(os.path.join(cache_dir, f"{shape}-{'bf16' if on_gpu else 'fp32'}"),
                     lambda path: build_model(shape, path, on_gpu))
     model = load_causal_lm(folder, SimpleNamespace(pad_token_id=None), torch.bfloat16,
-                           quantization="4bit" if kind == "qlora" else None, device=device)
+                           quantization={"qlora": "4bit", "qlora_unnested": "4bit_unnested"}.get(kind), device=device)
     if kind == "lora":
         model = model.to(device)
     return apply_lora(model, r=16, alpha=32, dropout=0.0, target_modules="all-linear")
