@@ -8,8 +8,13 @@ from utils import toy, generation
 from utils.generation import generate_completions
 from utils.modeling import apply_lora
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-for fuse in (True, False):
-  for backend in ("static", "cudagraph"):
+sampled = generation.static_cache_generate
+def greedy_generate(*args, **kwargs):
+    return sampled(*args, **dict(kwargs, greedy=True))
+for greedy in (False, True):  # greedy: no random draws, so a difference is the weights', not the sampler's
+ generation.static_cache_generate = greedy_generate if greedy else sampled
+ for fuse in (True, False):
+  for backend in ("static", "cudagraph", "compiled"):
     generation.FUSE_PROJECTIONS = fuse
     tokenizer = toy.build_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -39,4 +44,4 @@ for fuse in (True, False):
     policy.__dict__.pop("_lean_rl_generation_copy")
     inp2 = rollout(True, keep=False)
     f = lambda a, b: round((a == b).float().mean().item(), 3)
-    print(f"fuse={fuse} backend={backend}: usual==in_place {f(usual, inp)} usual==direct {f(usual, direct)} in_place==direct {f(inp, direct)} in_place(keep=False)==in_place {f(inp2, inp)}", flush=True)
+    print(f"greedy={greedy} fuse={fuse} backend={backend}: usual==in_place {f(usual, inp)} usual==direct {f(usual, direct)} in_place==direct {f(inp, direct)} in_place(keep=False)==in_place {f(inp2, inp)}", flush=True)
