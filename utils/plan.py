@@ -552,6 +552,8 @@ def dequant_s(bits, args):
     the statistics' own with --use_bnb_nested_quant false (4-bit only)."""
     nested = getattr(args, "use_bnb_nested_quant", True)
     return DEQUANT_S[bits] - (DOUBLE_QUANT_S if bits == 4 and not nested else 0.0)
+
+
 # LoRA through the unmerged adapter: per adapted Linear and call, eager (training passes, hf decoding)
 # or inside a captured step. A bf16 base's inputs reach the float32 adapters uncast under autocast
 # (utils/modeling.py skip_input_casts_under_autocast; PEFT's cast and its gradient's are not counted: with them
