@@ -271,13 +271,18 @@ def _captured(model, cache, step, batch, cache_len, device, warmup=3):
     inputs = (token, position, torch.ones(1, dtype=torch.long, device=device), mask)
     side = side_stream(device)  # one per device, shared by every capture
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step(*inputs)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = step(*inputs)
+    # the warm-up's draws (and any autotuning's) taken from a fork of the generator, put back after the capture: the
+    # rollout's samples then start where the generator stood, however many warm-ups ran (3 at a shape's first capture,
+    # 1 after), so the same seed samples the same tokens whether or not the shape was captured before (a resumed run
+    # recaptures what an uninterrupted one kept)
+    with torch.random.fork_rng(devices=[device]):
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step(*inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = step(*inputs)
     cache.reset()
 
     def replay(*new_inputs):
