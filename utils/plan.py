@@ -159,7 +159,7 @@ def _storage_bytes(args):
     """(bytes per trained weight in --torch_dtype, bytes per quantised frozen weight with --load_in_4bit /
     --load_in_8bit (with the scales; 4-bit's double-quantised unless --use_bnb_nested_quant false) or None)."""
     trained = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[args.torch_dtype]
-    nested = getattr(args, "use_bnb_nested_quant", True)
+    nested = args.use_bnb_nested_quant
     return trained, ((0.52 if nested else 0.52 + NESTED_SAVED_BYTES) if args.load_in_4bit else 1.02 if args.load_in_8bit
                      else None)
 
@@ -550,8 +550,7 @@ NESTED_SAVED_BYTES = 4 / 64 - 1 / 64 - 4 / (64 * 256)
 def dequant_s(bits, args):
     """Seconds per quantised weight that bitsandbytes' dequantising adds to one product call (DEQUANT_S), less
     the statistics' own with --use_bnb_nested_quant false (4-bit only)."""
-    nested = getattr(args, "use_bnb_nested_quant", True)
-    return DEQUANT_S[bits] - (DOUBLE_QUANT_S if bits == 4 and not nested else 0.0)
+    return DEQUANT_S[bits] - (DOUBLE_QUANT_S if bits == 4 and not args.use_bnb_nested_quant else 0.0)
 
 
 # LoRA through the unmerged adapter: per adapted Linear and call, eager (training passes, hf decoding)
