@@ -539,18 +539,26 @@ DEQUANT_S = {4: 2.7e-12, 8: 5.4e-12}
 # the rows) had the one-row products in it. 8-bit: assumed twice 4-bit's
 DECODE_DEQUANT_BYTES = {4: 5.28, 8: 10.56}
 # --use_bnb_nested_quant false: the 4-bit blocks' statistics kept in float32 instead of double-quantised. Saves the
-# statistics' own dequantising at every product: 0.90 ms of the 7b QLoRA decoding step at 64 rows (17.90 against
-# 18.80 ms, H100, 2026-12-06, benchmarks/decode_step.py --shape qwen2.5-7b --backends compiled --dtypes qlora --rows
-# 64), taken per weight and call for the training passes too (not measured there); costs NESTED_SAVED_BYTES a
-# quantised weight (a float32 statistic per 64 weights against an 8-bit one and its float32 statistic per 256)
-DOUBLE_QUANT_S = 1.4e-13
+# statistics' own dequantising, a fixed cost per quantised matrix and product call (a kernel of its own, whatever the
+# matrix's size): 0.90 ms of the 7b QLoRA decoding step at 64 rows (17.90 against 18.80 ms) and 0.83 ms of the 1.5b
+# one (6.76 against 7.59 ms), 196 matrices each (H100, 2026-12-06, benchmarks/decode_step.py --backends
+# compiled --dtypes qlora,qlora_unnested --rows 64). Per weight (the first fit) it would have predicted 0.18 ms at
+# 1.5b. Taken per call for the training passes too (a few ms a step; the 7b budget rows' updates were within noise);
+# costs NESTED_SAVED_BYTES a quantised weight (a float32 statistic per 64 weights against an 8-bit one and its
+# float32 statistic per 256)
+STATISTICS_CALL_S = 4.4e-6
 NESTED_SAVED_BYTES = 4 / 64 - 1 / 64 - 4 / (64 * 256)
 
 
-def dequant_s(bits, args):
-    """Seconds per quantised weight that bitsandbytes' dequantising adds to one product call (DEQUANT_S), less
-    the statistics' own with --use_bnb_nested_quant false (4-bit only)."""
-    return DEQUANT_S[bits] - (DOUBLE_QUANT_S if bits == 4 and not args.use_bnb_nested_quant else 0.0)
+def unnested_saving_s(shape, bits, args):
+    """Seconds one product call of every quantised Linear saves with --use_bnb_nested_quant false (4-bit only)."""
+    return 7 * shape.layers * STATISTICS_CALL_S if bits == 4 and not args.use_bnb_nested_quant else 0.0
+
+
+def dequant_s(shape, bits, args):
+    """Seconds bitsandbytes' dequantising adds to one product call of every quantised Linear (DEQUANT_S a weight,
+    fitted with double quantisation on)."""
+    return shape.linear_params * DEQUANT_S[bits] - unnested_saving_s(shape, bits, args)
 
 
 # LoRA through the unmerged adapter: per adapted Linear and call, eager (training passes, hf decoding)
@@ -649,7 +657,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         t = 2 * params * tokens / mm_mb + elementwise * (COMPILED_FORWARD if compiled else 1)
         t += n_mb * shape.layers * MB_LAYER_S
         if quantized:
-            t += n_mb * shape.linear_params * dequant_s(quantized, args)
+            t += n_mb * dequant_s(shape, quantized, args)
         if with_adapters:
             t += n_mb * adapters * ADAPTER_EAGER_S
         return t
@@ -676,7 +684,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             # without it; an eager 1.5b float32 pair ran the same with and without the flag). Counted, not fitted
             t += 2 * shape.layers * tokens * shape.hidden * residual_bytes / host
         if quantized:
-            t += passes * n_mb * shape.linear_params * dequant_s(quantized, args)
+            t += passes * n_mb * dequant_s(shape, quantized, args)
         if lora:
             t += passes * n_mb * adapters * ADAPTER_EAGER_S
         if fp32_autocast and not lora:  # bf16 casts of the fp32 weights in every pass, fp32 gradients accumulated
@@ -716,9 +724,8 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
             weight_bytes = shape.linear_params * bits / 8 + (shape.params - shape.linear_params) * 2
         else:
             weight_bytes = shape.params * (8 if fp32_autocast else trained_bytes)  # fp32: read, cast, read again
-        # (less the statistics' own dequantising with --use_bnb_nested_quant false)
-        dequant = (shape.linear_params * (DECODE_DEQUANT_BYTES[bits] / (bw * DECODE_EFF)
-                                          - (DEQUANT_S[bits] - dequant_s(bits, args))) if (lora and bits) else 0.0)
+        dequant = (shape.linear_params * DECODE_DEQUANT_BYTES[bits] / (bw * DECODE_EFF)
+                   - unnested_saving_s(shape, bits, args) if (lora and bits) else 0.0)
         adapter_s = adapters * (ADAPTER_CAPTURED_S if backend in CAPTURED_BACKENDS else ADAPTER_EAGER_S)
         if lora and backend in CAPTURED_BACKENDS:
             unmeasured.append("LoRA adapters inside a captured decoding step (15 us each assumed)")
@@ -740,7 +747,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         prefill += slices * (-(-P // chunk) - 1) * shape.layers * MB_LAYER_S
     generate = slices * C * decode_step + prefill
     if args.generation_copy:  # the refresh: float32 merged weights written and read, the copy written
-        generate += (shape.params * 6 / bw + (shape.linear_params * dequant_s(bits, args) if bits else 0)
+        generate += (shape.params * 6 / bw + (dequant_s(shape, bits, args) if bits else 0)
                      + (shape.params * 8 / bw if args.generation_copy_dtype == "int8" else 0))  # + quantising
     if args.param_offload and not args.generation_copy:  # one GPU copy of each offloaded matrix for the phase
         moved = _offloaded_embeddings(shape, args.offload_policy)
@@ -894,8 +901,9 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
             axis("generation_copy_in_place", [False, True])  # the copy without its bytes (LoRA on a bf16 base)
         if args.load_in_4bit or args.load_in_8bit:  # rollouts already sample from quantised weights
             axis("generation_copy_dtype", ["bfloat16", "int8"])
-    # (--use_bnb_nested_quant false is modelled, not searched: it changes numerics slightly and adds 0.28 GiB at 7b,
-    # where the 7b QLoRA 12GB row already peaks at 10.48 of its 10.5 GiB (9.6 estimated); no budget row ran with it)
+    if args.load_in_4bit:  # float32 statistics: more memory, none to dequantise, the weights dequantised with exact
+        # statistics (both 7b QLoRA budget rows ran faster with it, BUDGET_RUNS of 2026-12-06)
+        axis("use_bnb_nested_quant", [True, False])
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
     axis("prefill_chunk_size", [None] + ([PREFILL_CHUNK] if PREFILL_CHUNK < args.max_prompt_length else []))
     axis("empty_cache_between_phases", [False, True])
@@ -1052,6 +1060,9 @@ def plan(shape, args, algo, gpu_bytes, num_processes=1, parse=None, gpus_per_pro
     if chosen.generation_copy and chosen.generation_copy_dtype == "int8" and "generation_copy_dtype" not in explicit:
         reasons.append("rollouts' numerics changed: the quantised policy (adapter merged) sampled from an int8 copy "
                        "(--generation_copy_dtype int8, one scale per row; the training forward is unchanged)")
+    if chosen.load_in_4bit and not chosen.use_bnb_nested_quant and "use_bnb_nested_quant" not in explicit:
+        reasons.append("numerics changed slightly: the 4-bit weights dequantised with float32 statistics instead of "
+                       "double-quantised ones (--use_bnb_nested_quant false, TRL's default; closer to the bf16 weights)")
     reasons.append(f"the fastest of {found['fitting']} fitting configurations ({found['considered']} considered): "
                    f"{final['peak_reserved'] / GIB:.1f} GiB, {final['time']['step']:.1f} s per step estimated")
     return placed + found["flags"], reasons, final
@@ -1840,6 +1851,21 @@ BUDGET_RUNS += [
          flags=("--use_lora --load_in_4bit --use_gradient_checkpointing --activation_offload --logprob_chunk_size 256 "
                 "--generation_slice_size 64 --prefill_chunk_size 64 --generation_backend compiled "
                 "--empty_cache_between_phases --per_device_train_batch_size 16").split()),
+    # 2026-12-06 (stop 49), one H100 80GB HBM3: both 7b QLoRA rows with --use_bnb_nested_quant false added to the row
+    # (`python benchmarks/budget.py --rows ROW --steps 3`; benchmarks/results/stop49_h100/), before the planner searched
+    # it; its plans are those it chooses since. 12GB: generate 20.96 s (22.07 nested), ref 2.96, update 13.58 (12.61:
+    # reserved reached the 10.5 GiB cap); 24GB: generate 6.89, ref 2.69, update 10.82 (20.61 s nested, stop 48)
+    dict(row="7b_qlora_12gb, float32 statistics (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=10.50,
+         step_time_s=37.55, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--use_lora --load_in_4bit --use_bnb_nested_quant false --use_gradient_checkpointing "
+                "--activation_offload --logprob_chunk_size 256 --generation_slice_size 64 --prefill_chunk_size 64 "
+                "--generation_backend compiled --empty_cache_between_phases --per_device_train_batch_size 16").split()),
+    dict(row="7b_qlora_24gb, float32 statistics (H100)", shape="qwen2.5-7b", algo="grpo", peak_reserved_gib=19.50,
+         step_time_s=20.43, copy_shared=True, gpu="h100", copy_fused=True, logits_fused=True,
+         flags=("--use_lora --load_in_4bit --use_bnb_nested_quant false --use_gradient_checkpointing "
+                "--logprob_chunk_size 1024 --optimizer_offload --prefill_chunk_size 64 --generation_backend compiled "
+                "--generation_copy --generation_copy_dtype int8 --empty_cache_between_phases "
+                "--per_device_train_batch_size 32").split()),
 ]
 
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
