@@ -551,7 +551,8 @@ NESTED_SAVED_BYTES = 4 / 64 - 1 / 64 - 4 / (64 * 256)
 
 
 def unnested_saving_s(shape, bits, args):
-    """Seconds one product call of every quantised Linear saves with --use_bnb_nested_quant false (4-bit only)."""
+    """Seconds one product call of every quantised Linear (7 a layer: q, k, v, o, gate, up, down) saves with
+    --use_bnb_nested_quant false (4-bit only)."""
     return 7 * shape.layers * STATISTICS_CALL_S if bits == 4 and not args.use_bnb_nested_quant else 0.0
 
 
