@@ -373,17 +373,18 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
                                                    else LOGIT_BYTES) + positions * shape.hidden * 4
     if args.logprob_chunk_size and not args.use_lora:  # the head's weight gradient, summed over chunks
         comp["update/logits"] += 2 * shape.vocab * shape.hidden * train_bytes
-    # a no-grad pass keeps no activations: a layer's peak is its MLP's [tokens, intermediate] bf16 tensors, the LM
-    # head's chunk comes after the last layer. Eager layers (the LoRA and QLoRA rows): gate's and up's outputs counted
-    # beside the chunk (after the 7b QLoRA 24GB row's reference pass at micro-batches of 32 came out 13% under the
-    # half-a-training-layer count used before; PEFT's adapters add temporaries of their own). Compiled layers
-    # (--torch_compile; the reference is compiled too): gate's, up's and their product's outputs, freed inside the
-    # layer's graph before the head runs, so the larger of the two (their sum had the 1.5b rows at micro-batches of
-    # 16-32 with chunks of 1024 at +5% to +9%, 2026-12-03; every measured reference phase is within 3.3% with this)
+    # a no-grad pass keeps no activations: its peak is the larger of a layer's MLP's [tokens, intermediate] bf16
+    # tensors and the LM head's chunk, which comes after the last layer. Eager layers (the LoRA and QLoRA rows): 8
+    # bytes a token and intermediate, four such tensors (every 7b LoRA/QLoRA reference phase measured held 7.8-8.6
+    # above the weights, at micro-batches of 8-32 and chunks of 256-1024, before and after the logprob Function;
+    # counted before as gate's and up's outputs beside the chunk, which fitted while the chunk held 10 bytes a logit
+    # and left the runs since the Function 10-12% short). Compiled layers (--torch_compile; the reference is
+    # compiled too): gate's, up's and their product's outputs, freed inside the layer's graph (their sum with the
+    # chunk had the 1.5b rows at micro-batches of 16-32 with chunks of 1024 at +5% to +9%, 2026-12-03)
     head_chunk = chunk * shape.vocab * (LOGIT_COPIES_FUSED * logit_bytes if logits_fused else LOGIT_BYTES_NO_GRAD)
-    compiled_layers = args.torch_compile and not args.use_lora  # LoRA under --torch_compile: not measured, summed
-    no_grad_mlp = tokens * shape.inter * (6 if compiled_layers else 4)
-    comp["ref/logits"] = max(head_chunk, no_grad_mlp) if compiled_layers else head_chunk + no_grad_mlp
+    compiled_layers = args.torch_compile and not args.use_lora  # LoRA under --torch_compile: not measured
+    no_grad_mlp = tokens * shape.inter * (6 if compiled_layers else 8)
+    comp["ref/logits"] = max(head_chunk, no_grad_mlp)
     # a reward model's forward: REWARD_BATCH_ROWS rows of its own (utils/rewards.py), eager, whatever the micro-batch;
     # 12 bytes per token x intermediate (fitted: the three W-PPO 1.5b rows with a swapped reward model, micro-batches of
     # 4 to 32, each held 1.23 GiB above its weights in the reward phase, 2026-12-03; counted before as a quarter of
@@ -1943,6 +1944,14 @@ PHASE_PEAKS = [(row, shape, algo, _FLAGS[row], peaks) for row, shape, algo, peak
      {"generate": 8.10, "ref": 6.02, "actor_update": 7.91}),
     ("1.5b 12GB row's flags with --generation_copy (H100)", "qwen2.5-1.5b", "grpo",
      {"generate": 7.67, "ref": 6.45, "actor_update": 9.36}),
+    # the QLoRA rows since the logprob Function (their JSONs in benchmarks/results/stop48_h100/, stop49_h100/): the
+    # reference passes 10-12% above the count of eager layers before 2026-12-06's night, within 2% since
+    ("7b_qlora_12gb, one-matrix o_proj (H100)", "qwen2.5-7b", "grpo",
+     {"generate": 9.29, "ref": 7.40, "actor_update": 9.77}),
+    ("7b_qlora_12gb, float32 statistics (H100)", "qwen2.5-7b", "grpo",
+     {"generate": 9.57, "ref": 7.68, "actor_update": 10.06}),
+    ("7b_qlora_24gb, float32 statistics (H100)", "qwen2.5-7b", "grpo",
+     {"generate": 19.21, "ref": 9.00, "actor_update": 17.22}),
 ]]
 
 
