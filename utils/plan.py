@@ -376,11 +376,12 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     # a no-grad pass keeps no activations: its peak is the larger of a layer's MLP's [tokens, intermediate] bf16
     # tensors and the LM head's chunk, which comes after the last layer. Eager layers (the LoRA and QLoRA rows): 8
     # bytes a token and intermediate, four such tensors (every 7b LoRA/QLoRA reference phase measured held 7.8-8.6
-    # above the weights, at micro-batches of 8-32 and chunks of 256-1024, before and after the logprob Function;
-    # counted before as gate's and up's outputs beside the chunk, which fitted while the chunk held 10 bytes a logit
-    # and left the runs since the Function 10-12% short). Compiled layers (--torch_compile; the reference is
-    # compiled too): gate's, up's and their product's outputs, freed inside the layer's graph (their sum with the
-    # chunk had the 1.5b rows at micro-batches of 16-32 with chunks of 1024 at +5% to +9%, 2026-12-03)
+    # bytes a token and intermediate above the weights, at micro-batches of 8-32 and chunks of 256-1024, before and
+    # after the logprob Function; counted before as gate's and up's outputs beside the chunk, which fitted while the
+    # chunk held 10 bytes a logit and left the runs since the Function 10-12% short). Compiled layers
+    # (--torch_compile; the reference is compiled too): gate's, up's and their product's outputs, freed inside the
+    # layer's graph (their sum with the chunk had the 1.5b rows at micro-batches of 16-32 with chunks of 1024 at +5%
+    # to +9%, 2026-12-03)
     head_chunk = chunk * shape.vocab * (LOGIT_COPIES_FUSED * logit_bytes if logits_fused else LOGIT_BYTES_NO_GRAD)
     compiled_layers = args.torch_compile and not args.use_lora  # LoRA under --torch_compile: not measured
     no_grad_mlp = tokens * shape.inter * (6 if compiled_layers else 8)
