@@ -33,6 +33,7 @@ from benchmarks.memory import command, device_info, fmt, prepare_inputs, run_con
 from utils.base import GIB, parse_memory  # noqa: E402
 
 # TRL 1.16 GRPOTrainer on W-GRPO, one H200, 2026-11-30 (its own numerics: bf16 autocast, AdamW unless named)
+TRL_WHERE = "one H200, 2026-11-30"
 TRL_15B = "15.1 s at 18.5 GiB"
 TRL_7B = "28.6 s at 68.1 GiB (8-bit AdamW + Liger)"
 TRL_7B_LORA = "does not fit (25.7 GiB)"
@@ -193,7 +194,7 @@ def load_rows(out):
 
 
 def markdown(rows):
-    head = ["model, training", "card (cap)", "TRL 1.16", "target", "measured step", "peak reserved GiB (est.)",
+    head = ["model, training", "card (cap)", f"TRL 1.16 ({TRL_WHERE})", "target", "measured step", "peak reserved GiB (est.)",
             "completion tokens/s", "verdict", "slowest phase", "flags the planner chose"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -229,7 +230,7 @@ def plot(rows, path):
         for r in group:
             if r.get("trl_step_s"):
                 ax.plot(r["budget_gib"], r["trl_step_s"], "x", color=color, markersize=10)
-    ax.plot([], [], "kx", label="TRL 1.16 on the same card")
+    ax.plot([], [], "kx", label=f"TRL 1.16 under the same cap ({TRL_WHERE})")
     ax.set_xlabel("GPU memory budget (GiB, the card's usable part, enforced)")
     ax.set_ylabel("median step time (s)")
     ax.set_title(f"The fastest run that fits, chosen by --auto_memory ({rows[0]['gpu'] if rows else ''})", fontsize=10)
