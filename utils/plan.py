@@ -22,6 +22,7 @@ This module imports no runtime code (utils.base and utils.cli only; the scripts'
 import math
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 
 from utils.base import (CAPTURED_BACKENDS, GIB, PREFILL_CHUNK, REWARD_BATCH_ROWS, STEP_SLICE, own_gpus, parse_memory,  # noqa: F401
                         resolve_generation_backend, static_cache_len)
@@ -82,7 +83,7 @@ TOY_SHAPE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediat
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Shape:
     vocab: int
     hidden: int
@@ -105,16 +106,16 @@ class Shape:
     def head_dim(self):
         return self.hidden // self.heads
 
-    @property
+    @cached_property  # read ~10^6 times by a search
     def linear_params(self):  # the decoder layers' Linear weights: what bitsandbytes quantises
         kv = self.kv_heads * self.head_dim
         return self.layers * (2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.inter)
 
-    @property
+    @cached_property
     def embedding_params(self):
         return self.vocab * self.hidden
 
-    @property
+    @cached_property
     def params(self):
         biases = (self.hidden + 2 * self.kv_heads * self.head_dim) if self.qkv_bias else 0
         norms_biases = self.layers * (2 * self.hidden + biases) + self.hidden
