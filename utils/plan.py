@@ -593,7 +593,11 @@ HOST_STEP_S = 1.0e-8 * 3.4 / 41
 # MB_LAYER_S per layer (launches, autograd; fitted)
 MB_TOKENS, MB_TOKENS_HIDDEN = 1024, 1536
 MB_LAYER_S = 0.27e-3
-ADAMW_4BIT_S = 0.44e-9  # per parameter: torchao's 4-bit step (its quantise/dequantise kernels)
+# per parameter: torchao's 4-bit step (its quantise/dequantise kernels). Fitted with the first time model (d1a2605,
+# 2026-12-01, H200 runs of that day), before utils/optim.py sliced the step; since, four held-out 7b adamw_4bit runs
+# are 12-16% over in time (`--measured`; the 48GB row's update 9.25 s on an H100 against 12.10 estimated): unrefitted
+# until a --profile_step of that row says how long the step takes now
+ADAMW_4BIT_S = 0.44e-9
 # --empty_cache_between_phases: the allocator grows its pool again once per phase (torch.cuda.empty_cache runs
 # after each phase, utils/memory.py PhaseTimer, not per micro-batch; assumed: 1.5b runs with and without it differ
 # by 0.1-0.4 s a step, recaptures included)
