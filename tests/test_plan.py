@@ -170,7 +170,7 @@ def test_step_time_estimates_against_the_h200_runs(kind, shape, algo, flags, ste
                          ids=[r["row"] for r in BUDGET_RUNS])
 def test_budget_rows_held_out_time_and_memory(run):
     """benchmarks/budget.py's rows under the enforced cap (held out): step time within 25%, memory within
-    15% (the 7B 80GB row's estimate is 13% over; see the README's budget table)."""
+    15% (the 7B 80GB row's estimate is 13% over; see benchmarks/PLANNER.md)."""
     workload = WORKLOAD_GRPO if run["algo"] == "grpo" else WORKLOAD_PPO
     args = script_args(run["algo"], workload + run["flags"])
     shape = load_shape(run["shape"])
@@ -200,7 +200,7 @@ def test_phase_peaks_against_the_budget_rows(row, shape, algo, flags, peaks):
     """Each phase's estimated peak allocated against the budget rows' measured one: generation (with
     the prefill's MLP activations counted) and the reference pass (eager layers: four MLP intermediates, not beside the
     LM head's chunk; the QLoRA runs since the logprob Function were 10-12% under the count before) within 5%; the update within 12%
-    (measured: 7b 80GB +9%, its temporaries under --torch_compile, the README's budget section; the rows
+    (measured: 7b 80GB +9%, its temporaries under --torch_compile, benchmarks/PLANNER.md; the rows
     rerun later, held out: 7b LoRA 24GB -7%, 1.5b 12GB +5%, 7b QLoRA 24GB +7%; the two 1.5b 24GB float32 runs
     +10% and +11% before autocast's copies under compiled layers were counted per layer, +7% after)."""
     workload = WORKLOAD_GRPO if algo == "grpo" else WORKLOAD_PPO
