@@ -147,8 +147,17 @@ def _define_kernel():
             tl.store(y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
 
     def launch(x, codes, scale, split):
+        # K split `split` ways, each split a multiple of 512 columns (of every BLOCK_K), so perhaps fewer splits; the
+        # output [rows, N] in x's dtype when unsplit, else [splits, rows, N] float32 partial sums (added afterwards in
+        # a fixed order: deterministic)
         rows, n, k = x.shape[0], codes.shape[0], x.shape[1]
-        k_per_split, split, out = split_output(x, n, split)
+        k_per_split = -(-k // split)  # ceil(K / split)
+        k_per_split = -(-k_per_split // 512) * 512  # rounded up to 512 columns
+        split = -(-k // k_per_split)
+        if split == 1:
+            out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        else:
+            out = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
         kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)](
             x, codes, scale, out, rows, n, k, k_per_split, x.stride(0), codes.stride(0), out.stride(-2),
             out.stride(0) if split > 1 else 0, BLOCK_M=block_rows(rows), SPLIT_K=split)
@@ -158,44 +167,26 @@ def _define_kernel():
 
     @torch.library.custom_op("lean_rl::int8_mm", mutates_args=())
     def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # the split of K for calls of this shape, key (BLOCK_M, N, K): at its first call each of split_candidates is
+        # run and timed (each autotuned) replayed in a CUDA graph (timed eagerly, the launches' CPU cost hides the
+        # kernels' and the unsplit one always wins). Inside a capture nothing is timed: 1, the choice made at the
+        # next call outside one.
         x = x.contiguous()
         n, k = codes.shape
-        split = chosen_split(_SPLITS, (block_rows(x.shape[0]), n, k), x.device,
-                             lambda split: launch(x, codes, scale, split))
-        return launch(x, codes, scale, split)
+        key = (block_rows(x.shape[0]), n, k)
+        if key not in _SPLITS and torch.cuda.is_current_stream_capturing():
+            return launch(x, codes, scale, 1)
+        if key not in _SPLITS:
+            if not SMS:
+                SMS.append(torch.cuda.get_device_properties(x.device).multi_processor_count)
+            candidates = split_candidates(n, k, SMS[0])
+            times = [_graph_milliseconds(lambda: launch(x, codes, scale, split)) for split in candidates]
+            _SPLITS[key] = candidates[times.index(min(times))]
+        return launch(x, codes, scale, _SPLITS[key])
 
     @int8_mm.register_fake
     def _(x, codes, scale):
         return x.new_empty(x.shape[0], codes.shape[0])
-
-
-def split_output(x, n, split):
-    """(columns per split, splits, output) for x [rows, K] against N outputs with K split `split` ways: each split a
-    multiple of 512 columns (of every BLOCK_K), so perhaps fewer splits; the output [rows, N] in x's dtype when
-    unsplit, else [splits, rows, N] float32 partial sums (added afterwards in a fixed order: deterministic)."""
-    rows, k = x.shape
-    k_per_split = -(-k // split)  # ceil(K / split)
-    k_per_split = -(-k_per_split // 512) * 512  # rounded up to 512 columns
-    split = -(-k // k_per_split)
-    if split == 1:
-        return k_per_split, 1, torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    return k_per_split, split, torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-
-
-def chosen_split(splits, key, device, launch):
-    """The split of K for a kernel's calls of shape key = (BLOCK_M, N, K), kept in `splits`: at its first call each
-    of split_candidates is run by launch(split) and timed (each autotuned) replayed in a CUDA graph (timed eagerly,
-    the launches' CPU cost hides the kernels' and the unsplit one always wins). Inside a capture nothing is timed:
-    1, the choice made at the next call outside one."""
-    if key not in splits:
-        if torch.cuda.is_current_stream_capturing():
-            return 1
-        if not SMS:
-            SMS.append(torch.cuda.get_device_properties(device).multi_processor_count)
-        candidates = split_candidates(key[1], key[2], SMS[0])
-        times = [_graph_milliseconds(lambda: launch(split)) for split in candidates]
-        splits[key] = candidates[times.index(min(times))]
-    return splits[key]
 
 
 def _graph_milliseconds(fn, calls=10, replays=5):
