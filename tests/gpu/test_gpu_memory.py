@@ -80,9 +80,9 @@ def test_activation_offload_on_gpu_same_gradients_less_memory():
           f"{loss_off}; gradients against checkpointing: {offload_diff:.2e} of the tensor's max ({name}), "
           f"checkpointing against itself {spread:.2e}")
     assert loss_off == pytest.approx(loss_ckpt, rel=1e-5)
-    # 2026-12-07 (H100) this failed at a fixed 1e-3 with equal losses, not diagnosed: the bound is now the run-to-run
-    # spread of checkpointing itself (twice it), never looser than 1e-2 (the compiled test's bound)
-    assert offload_diff < min(max(1e-3, 2 * spread), 1e-2), (name, offload_diff, spread)
+    # 2026-12-07 (H100) this failed at 1e-3 with equal losses, not diagnosed; the print above says whether checkpointing
+    # differs from itself as much (nondeterminism) before any bound is changed
+    assert offload_diff < 1e-3, (name, offload_diff, spread)
     assert peak_off < peak_ckpt
 
 
