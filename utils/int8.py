@@ -174,9 +174,9 @@ def _define_kernel():
         x = x.contiguous()
         n, k = codes.shape
         key = (block_rows(x.shape[0]), n, k)
-        if key not in _SPLITS and torch.cuda.is_current_stream_capturing():
-            return launch(x, codes, scale, 1)
         if key not in _SPLITS:
+            if torch.cuda.is_current_stream_capturing():
+                return launch(x, codes, scale, 1)
             if not SMS:
                 SMS.append(torch.cuda.get_device_properties(x.device).multi_processor_count)
             candidates = split_candidates(n, k, SMS[0])
