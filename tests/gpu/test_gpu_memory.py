@@ -32,7 +32,8 @@ def _batch(vocab, B=8, T=512, C=384):
 
 
 def _step(model, ids, mask, C, **kwargs):
-    """One forward+backward under bf16 autocast -> (loss, grads, peak allocated GiB)."""
+    """One forward+backward under bf16 autocast -> (loss, grads, peak allocated GiB above the start, (the forward's
+    peak, what the forward left for the backward, the backward's peak), each in GiB above the start)."""
     from utils.ops import completion_logprobs
 
     model.zero_grad(set_to_none=True)
@@ -42,11 +43,15 @@ def _step(model, ids, mask, C, **kwargs):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logprobs, _ = completion_logprobs(model, ids, mask, C, **kwargs)
         loss = logprobs.mean()
+    torch.cuda.synchronize()
+    forward_peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    held = (torch.cuda.memory_allocated() - base) / GIB
+    torch.cuda.reset_peak_memory_stats()
     loss.backward()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    backward_peak = (torch.cuda.max_memory_allocated() - base) / GIB
     grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.item(), grads, peak
+    return loss.item(), grads, max(forward_peak, backward_peak), (forward_peak, held, backward_peak)
 
 
 def _worst_difference(a, b):
@@ -62,36 +67,65 @@ def _assert_close_grads(a, b, rtol):
     assert worst < rtol, f"{name}: max difference {worst:.3g} of the tensor's max (bound {rtol})"
 
 
+def _assert_offload_phases(ckpt, off, layers, layer_input):
+    """What --activation_offload changes against checkpointing, phase by phase (GiB above the step's start): the
+    forward leaves the backward none of the layers' inputs (checkpointing leaves all `layers` of them) and peaks
+    lower; the backward may peak one layer input higher, no more (likely because the offload's backward is
+    reentrant: it recomputes and differentiates the layer inside its own backward, so the gradient coming into the
+    layer stays alive beside the one it computes; not verified). Measured on an H100, 2026-12-07, these steps phase
+    by phase at the two tests' shapes, and compiled at 12 layers too: left for the backward exactly `layers` inputs
+    less; the backward's peak +0.031 GiB compiled (one 8 x 1024 x 1024 float32 input) at 4 and at 12 layers, -0.043
+    GiB eager. The step's peak is the backward's wherever gradients outweigh the layers' inputs."""
+    (f_c, held_c, b_c), (f_o, held_o, b_o) = ckpt, off
+    assert held_o < held_c - 0.9 * layers * layer_input, (held_c, held_o, layers * layer_input)
+    assert f_o < f_c, (f_c, f_o)
+    assert b_o < b_c + 1.25 * layer_input, (b_c, b_o, layer_input)  # one input, a quarter more for rounding
+
+
 def test_activation_offload_on_gpu_same_gradients_less_memory():
+    """Against checkpointing, eager: the same loss and gradients (to the bit on the H100, 2026-12-07, once both ran
+    two steps first: a model's first step there differed from its later ones, 5.2e-3 of q_proj's max in layer 0
+    for checkpointing against itself as for the offload against it; the first calls' choice of kernels, likely),
+    the layers' inputs out of what the forward leaves for the backward, a lower peak in the forward and the step."""
     from utils.offload import enable_activation_offload
 
-    base = _llama(layers=8, hidden=1024)
-    ids, mask, C = _batch(base.config.vocab_size, B=16, T=1024, C=512)
+    layers, B, T = 8, 16, 1024
+    base = _llama(layers=layers, hidden=1024)
+    ids, mask, C = _batch(base.config.vocab_size, B=B, T=T, C=512)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    loss_ckpt, grads_ckpt, peak_ckpt = _step(base, ids, mask, C, chunk_size=2048)
-    # checkpointing again: how far two runs of the same code differ (flash attention's backward is nondeterministic)
-    _, grads_again, _ = _step(base, ids, mask, C, chunk_size=2048)
+    for _ in range(2):  # a first step rounds unlike later ones (above); two, as in the measurement
+        _step(base, ids, mask, C, chunk_size=2048)
+    loss_ckpt, grads_ckpt, peak_ckpt, phases_ckpt = _step(base, ids, mask, C, chunk_size=2048)
+    _, grads_again, _, _ = _step(base, ids, mask, C, chunk_size=2048)  # how far checkpointing differs from itself
     enable_activation_offload(base)
-    _step(base, ids, mask, C, chunk_size=2048)  # warm the pinned-memory pool
-    loss_off, grads_off, peak_off = _step(base, ids, mask, C, chunk_size=2048)
+    for _ in range(2):  # warm the pinned-memory pool, as above
+        _step(base, ids, mask, C, chunk_size=2048)
+    loss_off, grads_off, peak_off, phases_off = _step(base, ids, mask, C, chunk_size=2048)
     name, offload_diff = _worst_difference(grads_ckpt, grads_off)
     _, spread = _worst_difference(grads_ckpt, grads_again)
-    print(f"\nactivation offload: peak {peak_ckpt:.3f} -> {peak_off:.3f} GiB above the weights; loss {loss_ckpt} / "
-          f"{loss_off}; gradients against checkpointing: {offload_diff:.2e} of the tensor's max ({name}), "
-          f"checkpointing against itself {spread:.2e}")
+    print(f"\nactivation offload: peak {peak_ckpt:.3f} -> {peak_off:.3f} GiB above the weights (forward peak, left for "
+          f"the backward, backward peak: {_fmt(phases_ckpt)} -> {_fmt(phases_off)}); loss {loss_ckpt} / {loss_off}; "
+          f"gradients against checkpointing: {offload_diff:.2e} of the tensor's max ({name}), checkpointing against "
+          f"itself {spread:.2e}")
     assert loss_off == pytest.approx(loss_ckpt, rel=1e-5)
-    # 2026-12-07 (H100) this failed at 1e-3 with equal losses, not diagnosed; the print above says whether checkpointing
-    # differs from itself as much (nondeterminism) before any bound is changed
     assert offload_diff < 1e-3, (name, offload_diff, spread)
+    _assert_offload_phases(phases_ckpt, phases_off, layers, B * T * 1024 * 4 / GIB)  # float32 residual stream
     assert peak_off < peak_ckpt
+
+
+def _fmt(phases):
+    return "/".join(f"{x:.3f}" for x in phases)
 
 
 def test_activation_offload_under_torch_compile_on_gpu():
     """--activation_offload with --torch_compile (regional compilation, utils/modeling.py): the offload stays out
     of torch.compile and the layer's forward is compiled on its own (utils/offload.py _compiled_layer), in the
     forward and in the recompute. Against checkpointing under the same compilation: the same loss and gradients,
-    a lower peak, no graph break but the offload's own; prints both steps' times (float32 weights, bf16 autocast,
-    the budget row's numerics; the held-out 1.5b run of this pair missed its time estimate by 41%)."""
+    no graph break but the offload's own, the phases as _assert_offload_phases says; prints both steps' times
+    (float32 weights, bf16 autocast, the budget row's numerics; the held-out 1.5b run of this pair missed its time
+    estimate by 41%). Not asserted: a lower peak for the whole step. Since the logprob Function (2026-12-06) the
+    step's peak at this size is the backward's end, where the float32 gradients of every layer are held and
+    checkpointing has freed its inputs too: 0.630 -> 0.662 GiB (H100, 2026-12-07), one layer input higher."""
     import time
 
     from torch._dynamo.utils import counters
@@ -101,8 +135,9 @@ def test_activation_offload_under_torch_compile_on_gpu():
 
     torch._dynamo.reset()
     counters.clear()
-    base = _llama(layers=4, hidden=1024)
-    ids, mask, C = _batch(base.config.vocab_size, B=8, T=1024, C=512)
+    layers, B, T = 4, 8, 1024
+    base = _llama(layers=layers, hidden=1024)
+    ids, mask, C = _batch(base.config.vocab_size, B=B, T=T, C=512)
     results = {}
     for mode in ("checkpointing", "offload"):
         model = copy.deepcopy(base)
@@ -113,17 +148,19 @@ def test_activation_offload_under_torch_compile_on_gpu():
         for _ in range(2):  # compiles (both grad modes), then warms the pinned-memory pool
             _step(model, ids, mask, C, chunk_size=2048)
         start = time.perf_counter()
-        loss, grads, peak = _step(model, ids, mask, C, chunk_size=2048)
-        results[mode] = loss, grads, peak, time.perf_counter() - start
+        loss, grads, peak, phases = _step(model, ids, mask, C, chunk_size=2048)
+        results[mode] = loss, grads, peak, phases, time.perf_counter() - start
         del model
-    (loss_c, grads_c, peak_c, s_c), (loss_o, grads_o, peak_o, s_o) = results["checkpointing"], results["offload"]
-    print(f"\nactivation offload under torch.compile: peak {peak_c:.3f} -> {peak_o:.3f} GiB above the weights, "
+    (loss_c, grads_c, peak_c, phases_c, s_c), (loss_o, grads_o, peak_o, phases_o, s_o) = (results["checkpointing"],
+                                                                                          results["offload"])
+    print(f"\nactivation offload under torch.compile: peak {peak_c:.3f} -> {peak_o:.3f} GiB above the weights "
+          f"(forward peak, left for the backward, backward peak: {_fmt(phases_c)} -> {_fmt(phases_o)}), "
           f"step {s_c * 1e3:.0f} -> {s_o * 1e3:.0f} ms; loss {loss_c} / {loss_o}")
     assert loss_o == pytest.approx(loss_c, rel=1e-4)
     # two different compilations (checkpointing's whole graph, the offload's forward and recompute graphs) round
     # bf16 differently: 6.8e-3 of the tensor's max on one q_proj (H100, 2026-12-05); the param-offload test's bound
     _assert_close_grads(grads_c, grads_o, 1e-2)
-    assert peak_o < peak_c
+    _assert_offload_phases(phases_c, phases_o, layers, B * T * 1024 * 4 / GIB)
     assert all("torch.compiler.disable" in k for k in counters["graph_break"]), list(counters["graph_break"])
 
 
@@ -138,8 +175,8 @@ def test_param_offload_on_gpu_keeps_weights_grads_and_math_on_cpu(policy, tied):
     before = torch.cuda.memory_allocated()
     offload = ParamOffload(model, policy, "cuda:0")
     freed = (before - torch.cuda.memory_allocated()) / GIB
-    loss_base, grads_base, _ = _step(base, ids, mask, C, chunk_size=1024)
-    loss_off, grads_off, _ = _step(model, ids, mask, C, chunk_size=1024)
+    loss_base, grads_base, _, _ = _step(base, ids, mask, C, chunk_size=1024)
+    loss_off, grads_off, _, _ = _step(model, ids, mask, C, chunk_size=1024)
     assert model.model.embed_tokens.weight.is_pinned() and model.lm_head.weight.grad.device.type == "cpu"
     assert loss_off == pytest.approx(loss_base, rel=1e-5)
     _assert_close_grads(grads_base, grads_off, 1e-2)  # bf16 autocast: 4.4e-3 was measured on lm_head
@@ -223,8 +260,8 @@ def test_offloaded_embedding_on_gpu_moves_rows_not_the_matrix():
 def test_chunked_lm_head_bf16_equal_and_smaller():
     model = _llama(vocab=128000, layers=2)
     ids, mask, C = _batch(model.config.vocab_size, B=8, T=1024, C=768)
-    loss_full, grads_full, peak_full = _step(model, ids, mask, C)
-    loss_chunk, grads_chunk, peak_chunk = _step(model, ids, mask, C, chunk_size=1024)
+    loss_full, grads_full, peak_full, _ = _step(model, ids, mask, C)
+    loss_chunk, grads_chunk, peak_chunk, _ = _step(model, ids, mask, C, chunk_size=1024)
     print(f"\nchunked LM head: peak {peak_full:.3f} -> {peak_chunk:.3f} GiB above the weights")
     assert loss_chunk == pytest.approx(loss_full, rel=1e-3)
     _assert_close_grads(grads_full, grads_chunk, 2e-2)
@@ -437,7 +474,10 @@ def test_critic_swap_on_gpu_steps_as_placed_and_holds_nothing_between_its_phases
         assert torch.cuda.memory_allocated() - base < 2**20  # the swapped model left nothing behind
         assert all(p.device.type == "cpu" and p.is_pinned() for p in swapped.parameters())
         assert all(t.device.type == "cpu" and t.is_pinned() for t in state_tensors(opts[1]) if t.dim() > 0)
-        assert weights * 0.99 <= inside < weights * 1.01 + 2**20, (inside, weights)  # the weights, not the moments
+        # the weights, not the moments (8-bit moments of bf16 weights would add as much again); each tensor is its own
+        # allocation, and a cached block the allocator reuses counts whole: 2.8% over the weights on an H100
+        # (2026-12-07) when this test ran after other tests than the day before, so 5% rather than 1%
+        assert weights * 0.99 <= inside < weights * 1.05 + 2**20, (inside, weights)
         if step:  # moments exist from the first step on: in for the step, beside the weights and gradients
             assert in_step >= 0.99 * (2 * weights + moments), (in_step, weights, moments)
     for (name, a), b in zip(placed.named_parameters(), swapped.parameters()):
