@@ -103,7 +103,9 @@ def one_row_batched_products(model_dir, device):
     """The shapes of every one-row batched product (aten::bmm of [rows, 1, hidden] by a weight broadcast over
     the rows: how F.linear multiplies an input it cannot fold into one matrix) in a greedy rollout of `model_dir`
     loaded as QLoRA (bitsandbytes NF4, r16 adapters, bf16 autocast on a GPU as the scripts run it) through the
-    compiled decoding step, under torch.profiler; and whether bitsandbytes' 4-bit product ran at all."""
+    compiled decoding step, under torch.profiler; and whether bitsandbytes' 4-bit product ran at all (its op is
+    gemm_4bit or gemv_4bit: on one 2-core AMD EPYC CPU, 2026-12-07, bitsandbytes 0.50.2 ran gemv_4bit for the same
+    rollout where the machine of the day before had run gemm_4bit)."""
     from types import SimpleNamespace
 
     import torch
@@ -126,4 +128,4 @@ def one_row_batched_products(model_dir, device):
     events = prof.events()
     return ([e.input_shapes for e in events if e.name == "aten::bmm" and e.input_shapes
              and e.input_shapes[0][1:] == [1, model.config.hidden_size]],
-            any("gemm_4bit" in e.name for e in events))
+            any("gemm_4bit" in e.name or "gemv_4bit" in e.name for e in events))
