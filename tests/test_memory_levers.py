@@ -576,7 +576,7 @@ def test_grpo_with_a_swapped_reference_and_reward_model_trains_as_without(run, t
 
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_levers_under_two_ddp_processes(tmp_path, script):
-    """Checkpointing with activation offload (a reentrant-style backward inside DDP), token-budget
+    """Checkpointing with activation offload (its recompute inside DDP's backward), token-budget
     micro-batches (the processes agree on a count), chunked head with an entropy bonus, the optimizer
     state offloaded between steps: two gloo processes end with identical weights (the script checks and
     fails otherwise)."""

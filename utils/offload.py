@@ -85,54 +85,6 @@ class _SavedInput:
         return tensor
 
 
-class _OffloadedCheckpoint(torch.autograd.Function):
-    """Reentrant-style checkpoint of `run(hidden)` whose saved input lives on the CPU.
-    `anchor` is an empty tensor that requires grad, so the output does even when `hidden`
-    does not (frozen embeddings under LoRA); parameter gradients accumulate in backward."""
-
-    @staticmethod
-    def forward(ctx, run, anchor, hidden):
-        global _last_saved
-        ctx.run = run
-        ctx.hidden_requires_grad = hidden.requires_grad
-        device = hidden.device
-        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        saved = _SavedInput(hidden.detach())
-        previous = _last_saved() if _last_saved is not None else None
-        if previous is not None and previous.host is not None and previous.device == device:
-            saved.prev = weakref.ref(previous)
-        _last_saved = weakref.ref(saved)
-        ctx.saved = saved
-        with torch.no_grad():
-            output = run(hidden)
-        if not isinstance(output, torch.Tensor):
-            raise TypeError("--activation_offload expects decoder layers that return a tensor "
-                            f"(got {type(output).__name__}); drop --activation_offload for this model")
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        saved = ctx.saved
-        hidden = saved.get().detach().requires_grad_(ctx.hidden_requires_grad)
-        previous = saved.prev() if saved.prev is not None else None
-        if previous is not None:
-            previous.prefetch()  # the layer below is recomputed next: overlap its copy with this one
-        device_type, enabled, dtype = ctx.autocast
-        devices = [hidden.device] if hidden.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                output = ctx.run(hidden)
-        if output.requires_grad:
-            torch.autograd.backward(output, grad_output)
-        ctx.run = ctx.saved = None
-        return None, None, hidden.grad if ctx.hidden_requires_grad else None
-
-
 def offloaded_checkpoint(function, hidden, *args):
     """Drop-in for transformers' `_gradient_checkpointing_func(forward, hidden_states, ...)`. Under --torch_compile
     (transformers 5.24 checkpoints a layer's forward inside its compiled call) the offload itself stays out of
@@ -143,10 +95,32 @@ def offloaded_checkpoint(function, hidden, *args):
 
 
 def _offload_checkpoint(function, hidden, args, compiled):
-    anchor = torch.empty(0, requires_grad=True)
-    if compiled:
-        return _OffloadedCheckpoint.apply(lambda h: _compiled_layer(function, h, *args), anchor, hidden)
-    return _OffloadedCheckpoint.apply(lambda h: function(h, *args), anchor, hidden)
+    """torch's non-reentrant checkpoint of one layer whose input is kept in pinned host memory instead of on the
+    GPU: the forward runs on `hidden` itself (autograd's graph is the plain layer's), checkpoint's hooks drop what
+    the layer saves, and the backward's recompute runs on the input copied back (the layer below prefetched
+    meanwhile). Non-reentrant, the gradient reaching the layer goes through autograd's own engine and is freed
+    when used: the reentrant Function this replaced held it beside the one it computed (one layer input more at
+    the backward's peak under torch.compile, H100, 2026-12-07)."""
+    global _last_saved
+    layer = (lambda h, *a: _compiled_layer(function, h, *a)) if compiled else function
+    saved = _SavedInput(hidden.detach())
+    previous = _last_saved() if _last_saved is not None else None
+    if previous is not None and previous.host is not None and previous.device == hidden.device:
+        saved.prev = weakref.ref(previous)
+    _last_saved = weakref.ref(saved)
+    requires_grad = hidden.requires_grad
+    live = [hidden]  # the forward's input; the recompute's comes back from the host
+
+    def run(*rest):
+        if live:
+            return layer(live.pop(), *rest)
+        restored = saved.get().detach().requires_grad_(requires_grad)
+        below = saved.prev() if saved.prev is not None else None
+        if below is not None:
+            below.prefetch()  # the layer below is recomputed next: overlap its copy with this one
+        return layer(restored, *rest)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
 
 def _call_layer(function, hidden, *args):

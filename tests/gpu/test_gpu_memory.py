@@ -70,16 +70,15 @@ def _assert_close_grads(a, b, rtol):
 def _assert_offload_phases(ckpt, off, layers, layer_input):
     """What --activation_offload changes against checkpointing, phase by phase (GiB above the step's start): the
     forward leaves the backward none of the layers' inputs (checkpointing leaves all `layers` of them) and peaks
-    lower; the backward may peak one layer input higher, no more (likely because the offload's backward is
-    reentrant: it recomputes and differentiates the layer inside its own backward, so the gradient coming into the
-    layer stays alive beside the one it computes; not verified). Measured on an H100, 2026-12-07, these steps phase
-    by phase at the two tests' shapes, and compiled at 12 layers too: left for the backward exactly `layers` inputs
-    less; the backward's peak +0.031 GiB compiled (one 8 x 1024 x 1024 float32 input) at 4 and at 12 layers, -0.043
-    GiB eager. The step's peak is the backward's wherever gradients outweigh the layers' inputs."""
+    lower, and the backward peaks no higher (a quarter of a layer input allowed for rounding). Measured on an H100,
+    2026-12-07, at the two tests' shapes (and compiled at 12 layers, eager at hidden 2048): left for the backward
+    exactly `layers` inputs less; the backward's peak equal compiled, 0.106 GiB lower eager. The reentrant offload
+    before it peaked one layer input higher in the backward (it held the gradient coming into the layer beside the
+    one it computed): benchmarks/results/stop53_h100/."""
     (f_c, held_c, b_c), (f_o, held_o, b_o) = ckpt, off
     assert held_o < held_c - 0.9 * layers * layer_input, (held_c, held_o, layers * layer_input)
     assert f_o < f_c, (f_c, f_o)
-    assert b_o < b_c + 1.25 * layer_input, (b_c, b_o, layer_input)  # one input, a quarter more for rounding
+    assert b_o <= b_c + 0.25 * layer_input, (b_c, b_o, layer_input)
 
 
 def test_activation_offload_on_gpu_same_gradients_less_memory():
@@ -109,7 +108,7 @@ def test_activation_offload_on_gpu_same_gradients_less_memory():
           f"itself {spread:.2e}")
     assert loss_off == pytest.approx(loss_ckpt, rel=1e-5)
     assert offload_diff < 1e-3, (name, offload_diff, spread)
-    _assert_offload_phases(phases_ckpt, phases_off, layers, B * T * 1024 * 4 / GIB)  # float32 residual stream
+    _assert_offload_phases(phases_ckpt, phases_off, layers, B * T * base.config.hidden_size * 4 / GIB)  # float32 stream
     assert peak_off < peak_ckpt
 
 
@@ -125,7 +124,7 @@ def test_activation_offload_under_torch_compile_on_gpu():
     (float32 weights, bf16 autocast, the budget row's numerics; the held-out 1.5b run of this pair missed its time
     estimate by 41%). Not asserted: a lower peak for the whole step. Since the logprob Function (2026-12-06) the
     step's peak at this size is the backward's end, where the float32 gradients of every layer are held and
-    checkpointing has freed its inputs too: 0.630 -> 0.662 GiB (H100, 2026-12-07), one layer input higher."""
+    checkpointing has freed its inputs too: 0.630 GiB both (H100, 2026-12-07; 0.662 reentrant, before)."""
     import time
 
     from torch._dynamo.utils import counters
@@ -160,7 +159,7 @@ def test_activation_offload_under_torch_compile_on_gpu():
     # two different compilations (checkpointing's whole graph, the offload's forward and recompute graphs) round
     # bf16 differently: 6.8e-3 of the tensor's max on one q_proj (H100, 2026-12-05); the param-offload test's bound
     _assert_close_grads(grads_c, grads_o, 1e-2)
-    _assert_offload_phases(phases_c, phases_o, layers, B * T * 1024 * 4 / GIB)
+    _assert_offload_phases(phases_c, phases_o, layers, B * T * base.config.hidden_size * 4 / GIB)
     assert all("torch.compiler.disable" in k for k in counters["graph_break"]), list(counters["graph_break"])
 
 
