@@ -7,6 +7,7 @@ the enforced cap (--gpu_memory caps the allocator, so one large GPU stands in fo
     python benchmarks/budget.py --rows 1.5b_full_24gb --shape tiny --steps 2   # CPU smoke test (no cap on a CPU)
     python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3 --baseline f266fff   # before/after a change
     git archive -o base.tar f266fff; python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3 --baseline base.tar
+    python benchmarks/budget.py --rows 7b_lora_24gb --steps 3 --lever "--kv_cache_dtype fp8"   # one lever alone
 
 Each row runs train_grpo.py / train_ppo.py on the W-GRPO / W-PPO workload (benchmarks/README.md;
 random-weight models from benchmarks/memory.py) with the row's training mode and `--auto_memory
@@ -18,11 +19,14 @@ the per-phase times and peak memory, TRL 1.16's figure on the same workload and 
 `--baseline REV`, also the same row run just before from git revision REV on the same machine: a side-by-side
 before/after, printed and kept in the JSON's `baseline`); budget.md and budget.png (step time against the card's budget, one line per model and
 mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
-sessions add up.
+sessions add up. `--lever FLAGS` measures one lever alone on a row instead (the lever table's "alone": the
+row's planned flags as explicit flags under its cap, without the lever and with it, nothing else different).
 """
 import json
 import os
 import re
+import shlex
+import subprocess
 import sys
 import time
 
@@ -75,6 +79,13 @@ def reductions(log_text):
                                                                log_text)]
 
 
+def phase_figures(result):
+    """A run's time per phase (median s) and peaks per phase (GiB allocated and reserved)."""
+    return dict(phases={p: v["time_s"] for p, v in result["phases"].items()},
+                phase_peaks_gib={p: {"allocated": v["peak_allocated_gib"], "reserved": v["peak_reserved_gib"]}
+                                 for p, v in result["phases"].items()})
+
+
 def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None, baseline=None):
     row_shape, script, mode, card, mode_flags, trl, trl_s, target = ROWS[name]
     shape = shape or row_shape
@@ -102,9 +113,7 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None, baseline=
                estimated_step_s=est_s, peak_reserved_gib=measured, peak_allocated_gib=result["peak_allocated_gib"],
                step_time_s=step, step_times_s=result.get("step_times_s"), unsteady=unsteady,
                tokens_per_s=result["tokens_per_s"],
-               phases={p: v["time_s"] for p, v in result["phases"].items()},
-               phase_peaks_gib={p: {"allocated": v["peak_allocated_gib"], "reserved": v["peak_reserved_gib"]}
-                                for p, v in result["phases"].items()},  # to check the estimate phase by phase
+               **phase_figures(result),  # to check the estimate phase by phase
                slowest_phase=slowest, trl=trl,
                trl_step_s=trl_s, target_step_s=target, verdict=verdict, status=result["status"], steps=steps,
                gpu=gpu_name, date=time.strftime("%Y-%m-%d"), command=result["command"])
@@ -183,6 +192,74 @@ def side_by_side(row):
     return (f"[{row['row']}] baseline {base['rev'][:12]} -> this tree: {fmt(base['step_time_s'], '.2f')} -> "
             f"{fmt(row['step_time_s'], '.2f')} s, peak reserved {fmt(base['peak_reserved_gib'])} -> "
             f"{fmt(row['peak_reserved_gib'])} GiB; {phases}{same}")
+
+
+def toggled(flags, lever, on):
+    """`flags` (a token list) with the lever's flags set to the lever's values (on) or removed, values included
+    (off). A flag's value is the token after it where that token is not itself a flag."""
+    def pairs(tokens):
+        out, i = [], 0
+        while i < len(tokens):
+            value = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else None
+            out.append((tokens[i], value))
+            i += 2 if value is not None else 1
+        return out
+
+    names = {name for name, _ in pairs(lever)}
+    kept = [token for name, value in pairs(flags) if name not in names
+            for token in ([name] if value is None else [name, value])]
+    return kept + (list(lever) if on else [])
+
+
+def run_lever(name, lever, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
+    """One lever alone on one row: the flags `--auto_memory` plans for the row (on this GPU, read off the script's
+    `--plan`), run as explicit flags under the row's cap without the lever and with it (removed from, or added to,
+    the plan; nothing else differs). No `--auto_reduce_micro_batch`: a side that does not fit fails as OOM."""
+    row_shape, script, mode, card, mode_flags, *_ = ROWS[name]
+    shape = shape or row_shape
+    model_dir, tok_dir, dataset = prepare_inputs(shape, script, steps, cache_dir, on_gpu)
+    flags = [f.replace("{model}", model_dir) for f in mode_flags]
+    plan = []
+    if card:
+        run_dir = os.path.join(cache_dir, "runs", f"lever_{name}_{shape}_plan")
+        cmd = command(shape, script, model_dir, tok_dir, dataset, run_dir, steps,
+                      flags + ["--auto_memory", "--gpu_memory", card, "--plan"])
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"[{name}] the plan failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        plan = [f for f in shlex.split(planned(done.stdout)[0]) if f != "--auto_reduce_micro_batch"]
+        flags = flags + plan + ["--gpu_memory", card]
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(lever)).strip("_")
+    sides = {}
+    for side in ("without", "with"):
+        side_flags = toggled(flags, lever, side == "with")
+        run_dir = os.path.join(cache_dir, "runs", f"lever_{name}_{shape}_{slug}_{side}")
+        print(f"[{name}] {side} {' '.join(lever)}: {shlex.join(side_flags)}", flush=True)
+        result = run_config(f"{name} {side}", side_flags,
+                            command(shape, script, model_dir, tok_dir, dataset, run_dir, steps, side_flags), run_dir)
+        sides[side] = dict(flags=side_flags, status=result["status"], step_time_s=result["step_time_s"],
+                           step_times_s=result.get("step_times_s"), peak_reserved_gib=result["peak_reserved_gib"],
+                           peak_allocated_gib=result["peak_allocated_gib"],
+                           **phase_figures(result), command=result["command"])
+    record = dict(row=name, shape=shape, script=script, mode=mode, card=card, lever=" ".join(lever),
+                  planner_flags=" ".join(plan), steps=steps, gpu=gpu_name, date=time.strftime("%Y-%m-%d"), **sides)
+    os.makedirs(os.path.join(out, "levers"), exist_ok=True)
+    with open(os.path.join(out, "levers", f"{name}__{slug}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(lever_line(record), flush=True)
+    return record
+
+
+def lever_line(record):
+    """One line: the row without the lever -> with it (step, peak reserved and allocated, each phase's time)."""
+    a, b = record["without"], record["with"]
+    if a["status"] != "ok" or b["status"] != "ok":
+        return f"[{record['row']}] {record['lever']}: without {a['status']}, with {b['status']}"
+    phases = ", ".join(f"{p} {fmt(a['phases'].get(p), '.2f')} -> {fmt(t, '.2f')}" for p, t in b["phases"].items())
+    return (f"[{record['row']}] {record['lever']} ({record['gpu']}, {record['card'] or 'no cap'}): step "
+            f"{fmt(a['step_time_s'], '.2f')} -> {fmt(b['step_time_s'], '.2f')} s, peak reserved "
+            f"{fmt(a['peak_reserved_gib'])} -> {fmt(b['peak_reserved_gib'])} GiB, allocated "
+            f"{fmt(a['peak_allocated_gib'])} -> {fmt(b['peak_allocated_gib'])} GiB; {phases}")
 
 
 def load_rows(out):
@@ -265,7 +342,16 @@ def main(argv=None):
                              "baseline's figures in the row's JSON (`baseline`); its JSON in OUT/budget_baseline/. "
                              "REV may also be a tar file made by `git archive REV` (a GPU machine given the working "
                              "tree without its history)")
+    parser.add_argument("--lever", metavar="FLAGS",
+                        help="measure one lever alone on each of --rows (required with it) instead of the rows: the "
+                             "flags --auto_memory plans for the row on this GPU, run under the row's cap without "
+                             "FLAGS and with them (e.g. \"--kv_cache_dtype fp8\"; a flag the plan has is removed, "
+                             "or set to FLAGS' value); both in OUT/levers/ROW__LEVER.json, one line printed")
     args = parser.parse_args(argv)
+    if args.lever is not None and (not args.rows or args.baseline or args.table
+                                   or not args.lever.split() or not args.lever.split()[0].startswith("--")):
+        parser.error("--lever FLAGS needs --rows and goes without --baseline and --table; FLAGS are script flags, "
+                     "e.g. --lever \"--prefill_chunk_size 64\"")
     names = args.rows.split(",") if args.rows else list(ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown or args.steps < 2:
@@ -278,6 +364,12 @@ def main(argv=None):
         if baseline is None:
             parser.error(f"--baseline {args.baseline}: git names no such commit in {ROOT} (a hash, tag or branch of "
                          "this repository's history, or a tar file made by `git archive REV`)")
+    if args.lever is not None:
+        on_gpu, gpu_name = device_info()
+        records = [run_lever(name, args.lever.split(), args.steps, cache_dir, out, on_gpu, gpu_name, args.shape)
+                   for name in names]
+        print("\n" + "\n".join(lever_line(r) for r in records), flush=True)
+        return records
     if not args.table:
         on_gpu, gpu_name = device_info()
         lines = []

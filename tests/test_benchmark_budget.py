@@ -89,3 +89,34 @@ def test_planned_reads_the_plan_off_a_log():
            "estimated with the plan: peak reserved 19.0 GiB, step 5.3 s (generate 2.19)\n")
     assert budget.planned(log) == ("--torch_dtype bfloat16 --optim adamw_8bit", 19.0, 5.3)
     assert budget.planned("plan: fits as it is\n")[0] == ""
+
+
+def test_toggled_sets_or_removes_a_levers_flags_with_their_values():
+    plan = ["--use_gradient_checkpointing", "--prefill_chunk_size", "64", "--optim", "adamw_8bit"]
+    assert budget.toggled(plan, ["--prefill_chunk_size", "32"], True) == [
+        "--use_gradient_checkpointing", "--optim", "adamw_8bit", "--prefill_chunk_size", "32"]
+    assert budget.toggled(plan, ["--prefill_chunk_size", "32"], False) == [
+        "--use_gradient_checkpointing", "--optim", "adamw_8bit"]
+    assert budget.toggled(plan, ["--use_gradient_checkpointing", "--activation_offload"], False) == [
+        "--prefill_chunk_size", "64", "--optim", "adamw_8bit"]
+    assert budget.toggled(["--use_bnb_nested_quant", "false", "--x"], ["--use_bnb_nested_quant", "false"], False) \
+        == ["--x"]
+
+
+def test_lever_runs_the_row_without_and_with_it_and_nothing_else_differs(tmp_path, capsys):
+    """--lever FLAGS: the row's planned flags run under its cap without the lever and with it; the JSON keeps both
+    sides, whose flags differ by the lever alone, and one line compares them. Without --rows: exit 2."""
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    budget.main(["--rows", "1.5b_full_24gb", "--shape", "tiny", "--steps", "2", "--out", str(out),
+                 "--cache_dir", str(cache), "--lever", "--prefill_chunk_size 4"])
+    record = json.load(open(out / "levers" / "1.5b_full_24gb__prefill_chunk_size_4.json"))
+    without, with_ = record["without"], record["with"]
+    assert without["status"] == with_["status"] == "ok" and without["step_time_s"] > 0 and with_["step_time_s"] > 0
+    assert with_["flags"] == without["flags"] + ["--prefill_chunk_size", "4"]
+    assert without["flags"][-2:] == ["--gpu_memory", "24GB"] and "--auto_memory" not in without["command"]
+    assert "generate" in with_["phases"] and record["lever"] == "--prefill_chunk_size 4"
+    assert "[1.5b_full_24gb] --prefill_chunk_size 4 (" in capsys.readouterr().out
+    assert not (out / "budget").exists()  # the rows' table is not touched
+    with pytest.raises(SystemExit) as exit_info:
+        budget.main(["--lever", "--prefill_chunk_size 4", "--out", str(out)])
+    assert exit_info.value.code == 2
