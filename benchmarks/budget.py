@@ -8,6 +8,7 @@ the enforced cap (--gpu_memory caps the allocator, so one large GPU stands in fo
     python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3 --baseline f266fff   # before/after a change
     git archive -o base.tar f266fff; python benchmarks/budget.py --rows 1.5b_full_24gb --steps 3 --baseline base.tar
     python benchmarks/budget.py --rows 7b_lora_24gb --steps 3 --lever "--kv_cache_dtype fp8"   # one lever alone
+    python benchmarks/budget.py --rows 7b_lora_24gb --lever "--kv_cache_dtype fp8" --lever "--prefill_chunk_size 64"
 
 Each row runs train_grpo.py / train_ppo.py on the W-GRPO / W-PPO workload (benchmarks/README.md;
 random-weight models from benchmarks/memory.py) with the row's training mode and `--auto_memory
@@ -20,7 +21,8 @@ the per-phase times and peak memory, TRL 1.16's figure on the same workload and 
 before/after, printed and kept in the JSON's `baseline`); budget.md and budget.png (step time against the card's budget, one line per model and
 mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
 sessions add up. `--lever FLAGS` measures one lever alone on a row instead (the lever table's "alone": the
-row's planned flags as explicit flags under its cap, without the lever and with it, nothing else different).
+row's planned flags as explicit flags under its cap, without the lever and with it, nothing else different);
+repeated, the levers share the run of the plan without them.
 """
 import json
 import os
@@ -211,10 +213,12 @@ def toggled(flags, lever, on):
     return kept + (list(lever) if on else [])
 
 
-def run_lever(name, lever, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
-    """One lever alone on one row: the flags `--auto_memory` plans for the row (on this GPU, read off the script's
-    `--plan`), run as explicit flags under the row's cap without the lever and with it (removed from, or added to,
-    the plan; nothing else differs). No `--auto_reduce_micro_batch`: a side that does not fit fails as OOM."""
+def run_levers(name, levers, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
+    """Each lever alone on one row: the flags `--auto_memory` plans for the row (on this GPU, read off the script's
+    `--plan`, once), run as explicit flags under the row's cap without the lever and with it (removed from, or added
+    to, the plan; nothing else differs). A flag set already run for this row is not run again (the plan without
+    any of the levers is every added lever's "without" side). No `--auto_reduce_micro_batch`: a side that does not
+    fit fails as OOM. Returns one record per lever, each written to OUT/levers/ROW__LEVER.json."""
     row_shape, script, mode, card, mode_flags, *_ = ROWS[name]
     shape = shape or row_shape
     model_dir, tok_dir, dataset = prepare_inputs(shape, script, steps, cache_dir, on_gpu)
@@ -224,30 +228,37 @@ def run_lever(name, lever, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
         run_dir = os.path.join(cache_dir, "runs", f"lever_{name}_{shape}_plan")
         cmd = command(shape, script, model_dir, tok_dir, dataset, run_dir, steps,
                       flags + ["--auto_memory", "--gpu_memory", card, "--plan"])
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"[{name}] the plan failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-        plan = [f for f in shlex.split(planned(done.stdout)[0]) if f != "--auto_reduce_micro_batch"]
+        planning = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if planning.returncode != 0:
+            raise SystemExit(f"[{name}] the plan failed (exit {planning.returncode}): "
+                             f"{planning.stderr.strip()[-2000:]}")
+        plan = [f for f in shlex.split(planned(planning.stdout)[0]) if f != "--auto_reduce_micro_batch"]
         flags = flags + plan + ["--gpu_memory", card]
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(lever)).strip("_")
-    sides = {}
-    for side in ("without", "with"):
-        side_flags = toggled(flags, lever, side == "with")
-        run_dir = os.path.join(cache_dir, "runs", f"lever_{name}_{shape}_{slug}_{side}")
-        print(f"[{name}] {side} {' '.join(lever)}: {shlex.join(side_flags)}", flush=True)
-        result = run_config(f"{name} {side}", side_flags,
-                            command(shape, script, model_dir, tok_dir, dataset, run_dir, steps, side_flags), run_dir)
-        sides[side] = dict(flags=side_flags, status=result["status"], step_time_s=result["step_time_s"],
-                           step_times_s=result.get("step_times_s"), peak_reserved_gib=result["peak_reserved_gib"],
-                           peak_allocated_gib=result["peak_allocated_gib"],
-                           **phase_figures(result), command=result["command"])
-    record = dict(row=name, shape=shape, script=script, mode=mode, card=card, lever=" ".join(lever),
-                  planner_flags=" ".join(plan), steps=steps, gpu=gpu_name, date=time.strftime("%Y-%m-%d"), **sides)
-    os.makedirs(os.path.join(out, "levers"), exist_ok=True)
-    with open(os.path.join(out, "levers", f"{name}__{slug}.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    print(lever_line(record), flush=True)
-    return record
+    ran, records = {}, []  # tuple of flags -> that run's figures
+    for lever in levers:
+        sides = {}
+        for side in ("without", "with"):
+            side_flags = toggled(flags, lever, side == "with")
+            if tuple(side_flags) not in ran:
+                run_dir = os.path.join(cache_dir, "runs", f"lever_{name}_{shape}_{len(ran)}")
+                print(f"[{name}] {side} {' '.join(lever)}: {shlex.join(side_flags)}", flush=True)
+                result = run_config(f"{name} {side}", side_flags, command(shape, script, model_dir, tok_dir, dataset,
+                                                                          run_dir, steps, side_flags), run_dir)
+                ran[tuple(side_flags)] = dict(
+                    flags=side_flags, status=result["status"], step_time_s=result["step_time_s"],
+                    step_times_s=result.get("step_times_s"), peak_reserved_gib=result["peak_reserved_gib"],
+                    peak_allocated_gib=result["peak_allocated_gib"], **phase_figures(result),
+                    command=result["command"])
+            sides[side] = ran[tuple(side_flags)]
+        record = dict(row=name, shape=shape, script=script, mode=mode, card=card, lever=" ".join(lever),
+                      planner_flags=" ".join(plan), steps=steps, gpu=gpu_name, date=time.strftime("%Y-%m-%d"), **sides)
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(lever)).strip("_")
+        os.makedirs(os.path.join(out, "levers"), exist_ok=True)
+        with open(os.path.join(out, "levers", f"{name}__{slug}.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        print(lever_line(record), flush=True)
+        records.append(record)
+    return records
 
 
 def lever_line(record):
@@ -342,14 +353,16 @@ def main(argv=None):
                              "baseline's figures in the row's JSON (`baseline`); its JSON in OUT/budget_baseline/. "
                              "REV may also be a tar file made by `git archive REV` (a GPU machine given the working "
                              "tree without its history)")
-    parser.add_argument("--lever", metavar="FLAGS",
-                        help="measure one lever alone on each of --rows (required with it) instead of the rows: the "
+    parser.add_argument("--lever", metavar="FLAGS", action="append",
+                        help="measure a lever alone on each of --rows (required with it) instead of the rows: the "
                              "flags --auto_memory plans for the row on this GPU, run under the row's cap without "
                              "FLAGS and with them (e.g. \"--kv_cache_dtype fp8\"; a flag the plan has is removed, "
-                             "or set to FLAGS' value); both in OUT/levers/ROW__LEVER.json, one line printed")
+                             "or set to FLAGS' value); both in OUT/levers/ROW__LEVER.json, one line printed. "
+                             "Repeatable: the row's plan and a flag set two levers share run once")
     args = parser.parse_args(argv)
-    if args.lever is not None and (not args.rows or args.baseline or args.table
-                                   or not args.lever.split() or not args.lever.split()[0].startswith("--")):
+    levers = [lever.split() for lever in args.lever or []]
+    if args.lever and (not args.rows or args.baseline or args.table
+                       or not all(lever and lever[0].startswith("--") for lever in levers)):
         parser.error("--lever FLAGS needs --rows and goes without --baseline and --table; FLAGS are script flags, "
                      "e.g. --lever \"--prefill_chunk_size 64\"")
     names = args.rows.split(",") if args.rows else list(ROWS)
@@ -364,10 +377,10 @@ def main(argv=None):
         if baseline is None:
             parser.error(f"--baseline {args.baseline}: git names no such commit in {ROOT} (a hash, tag or branch of "
                          "this repository's history, or a tar file made by `git archive REV`)")
-    if args.lever is not None:
+    if levers:
         on_gpu, gpu_name = device_info()
-        records = [run_lever(name, args.lever.split(), args.steps, cache_dir, out, on_gpu, gpu_name, args.shape)
-                   for name in names]
+        records = [record for name in names
+                   for record in run_levers(name, levers, args.steps, cache_dir, out, on_gpu, gpu_name, args.shape)]
         print("\n" + "\n".join(lever_line(r) for r in records), flush=True)
         return records
     if not args.table:

@@ -103,19 +103,28 @@ def test_toggled_sets_or_removes_a_levers_flags_with_their_values():
         == ["--x"]
 
 
-def test_lever_runs_the_row_without_and_with_it_and_nothing_else_differs(tmp_path, capsys):
-    """--lever FLAGS: the row's planned flags run under its cap without the lever and with it; the JSON keeps both
-    sides, whose flags differ by the lever alone, and one line compares them. Without --rows: exit 2."""
+def test_lever_runs_the_row_without_and_with_it_and_nothing_else_differs(tmp_path, capsys, monkeypatch):
+    """--lever FLAGS (twice): the row's planned flags run under its cap without each lever and with it; each JSON
+    keeps both sides, whose flags differ by the lever alone, and one line compares them; the plan without either
+    lever runs once for both. Without --rows: exit 2."""
+    runs = []
+    run_config = budget.run_config
+    monkeypatch.setattr(budget, "run_config", lambda name, flags, *a, **k: runs.append(flags) or run_config(
+        name, flags, *a, **k))
     out, cache = tmp_path / "out", tmp_path / "cache"
     budget.main(["--rows", "1.5b_full_24gb", "--shape", "tiny", "--steps", "2", "--out", str(out),
-                 "--cache_dir", str(cache), "--lever", "--prefill_chunk_size 4"])
+                 "--cache_dir", str(cache), "--lever", "--prefill_chunk_size 4", "--lever", "--logprob_chunk_size 8"])
     record = json.load(open(out / "levers" / "1.5b_full_24gb__prefill_chunk_size_4.json"))
     without, with_ = record["without"], record["with"]
     assert without["status"] == with_["status"] == "ok" and without["step_time_s"] > 0 and with_["step_time_s"] > 0
     assert with_["flags"] == without["flags"] + ["--prefill_chunk_size", "4"]
     assert without["flags"][-2:] == ["--gpu_memory", "24GB"] and "--auto_memory" not in without["command"]
     assert "generate" in with_["phases"] and record["lever"] == "--prefill_chunk_size 4"
-    assert "[1.5b_full_24gb] --prefill_chunk_size 4 (" in capsys.readouterr().out
+    other = json.load(open(out / "levers" / "1.5b_full_24gb__logprob_chunk_size_8.json"))
+    assert other["without"] == without and other["with"]["flags"] == without["flags"] + ["--logprob_chunk_size", "8"]
+    assert len(runs) == 3  # the plan without the levers, then each lever's side with it
+    printed = capsys.readouterr().out
+    assert "[1.5b_full_24gb] --prefill_chunk_size 4 (" in printed and "[1.5b_full_24gb] --logprob_chunk_size 8 (" in printed
     assert not (out / "budget").exists()  # the rows' table is not touched
     with pytest.raises(SystemExit) as exit_info:
         budget.main(["--lever", "--prefill_chunk_size 4", "--out", str(out)])
