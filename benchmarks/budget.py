@@ -358,7 +358,8 @@ def main(argv=None):
                              "flags --auto_memory plans for the row on this GPU, run under the row's cap without "
                              "FLAGS and with them (e.g. \"--kv_cache_dtype fp8\"; a flag the plan has is removed, "
                              "or set to FLAGS' value); both in OUT/levers/ROW__LEVER.json, one line printed. "
-                             "Repeatable: the row's plan and a flag set two levers share run once")
+                             "Repeatable: the row's plan and a flag set two levers share run once. A lone flag: "
+                             "--lever=--activation_offload")
     args = parser.parse_args(argv)
     levers = [lever.split() for lever in args.lever or []]
     if args.lever and (not args.rows or args.baseline or args.table
