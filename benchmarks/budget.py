@@ -273,6 +273,29 @@ def lever_line(record):
             f"{fmt(a['peak_allocated_gib'])} -> {fmt(b['peak_allocated_gib'])} GiB; {phases}")
 
 
+def lever_table(out):
+    """OUT/levers/levers.md: every lever record in OUT/levers/ as one table row (the lever table's cells: the row's
+    plan without the lever -> with it, step and peaks, the phases that changed by 5% or more), rebuilt each time."""
+    folder = os.path.join(out, "levers")
+    records = [json.load(open(os.path.join(folder, f))) for f in sorted(os.listdir(folder)) if f.endswith(".json")]
+    head = ["row", "card", "lever", "GPU, date", "step s", "peak reserved GiB", "peak allocated GiB",
+            "phases (s) that changed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        a, b = r["without"], r["with"]
+        ok = a["status"] == b["status"] == "ok"
+        changed = [f"{p} {fmt(a['phases'].get(p))} -> {fmt(t)}" for p, t in b["phases"].items()
+                   if ok and t is not None and a["phases"].get(p) is not None
+                   and abs(t - a["phases"][p]) >= 0.05 * max(a["phases"][p], 1e-9)]
+        pair = [f"{fmt(a[key])} -> {fmt(b[key])}" if ok else f"{a['status']} -> {b['status']}"
+                for key in ("step_time_s", "peak_reserved_gib", "peak_allocated_gib")]
+        lines.append(f"| {r['row']} | {r['card'] or 'none'} | `{r['lever']}` | {r['gpu']}, {r['date']} | "
+                     + " | ".join(pair) + f" | {', '.join(changed)} |")
+    with open(os.path.join(folder, "levers.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
 def load_rows(out):
     folder = os.path.join(out, "budget")
     rows = [json.load(open(os.path.join(folder, f))) for f in sorted(os.listdir(folder)) if f.endswith(".json")] \
@@ -358,7 +381,8 @@ def main(argv=None):
                              "flags --auto_memory plans for the row on this GPU, run under the row's cap without "
                              "FLAGS and with them (e.g. \"--kv_cache_dtype fp8\"; a flag the plan has is removed, "
                              "or set to FLAGS' value); both in OUT/levers/ROW__LEVER.json, one line printed. "
-                             "Repeatable: the row's plan and a flag set two levers share run once. A lone flag: "
+                             "Repeatable: the row's plan and a flag set two levers share run once. "
+                             "OUT/levers/levers.md: every lever record there as a table. A lone flag: "
                              "--lever=--activation_offload")
     args = parser.parse_args(argv)
     levers = [lever.split() for lever in args.lever or []]
@@ -382,7 +406,7 @@ def main(argv=None):
         on_gpu, gpu_name = device_info()
         records = [record for name in names
                    for record in run_levers(name, levers, args.steps, cache_dir, out, on_gpu, gpu_name, args.shape)]
-        print("\n" + "\n".join(lever_line(r) for r in records), flush=True)
+        print("\n" + "\n".join(lever_line(r) for r in records) + "\n\n" + "\n".join(lever_table(out)), flush=True)
         return records
     if not args.table:
         on_gpu, gpu_name = device_info()

@@ -123,6 +123,9 @@ def test_lever_runs_the_row_without_and_with_it_and_nothing_else_differs(tmp_pat
     other = json.load(open(out / "levers" / "1.5b_full_24gb__logprob_chunk_size_8.json"))
     assert other["without"] == without and other["with"]["flags"] == without["flags"] + ["--logprob_chunk_size", "8"]
     assert len(runs) == 3  # the plan without the levers, then each lever's side with it
+    table = open(out / "levers" / "levers.md").read().splitlines()
+    assert len(table) == 4 and "`--logprob_chunk_size 8`" in table[2] and "`--prefill_chunk_size 4`" in table[3]
+    assert f"{without['step_time_s']:.2f} -> {with_['step_time_s']:.2f}" in table[3]
     printed = capsys.readouterr().out
     assert "[1.5b_full_24gb] --prefill_chunk_size 4 (" in printed and "[1.5b_full_24gb] --logprob_chunk_size 8 (" in printed
     assert not (out / "budget").exists()  # the rows' table is not touched
