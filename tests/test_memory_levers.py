@@ -196,6 +196,38 @@ def test_activation_offload_gives_the_checkpointed_gradients():
         torch.testing.assert_close(grads[2][name], grads[0][name], rtol=1e-5, atol=1e-7)
 
 
+def test_activation_offload_backward_twice_and_dropout_as_plain_checkpointing(monkeypatch):
+    """Two backwards through one graph (retain_graph: the host copy serves each recompute) give checkpointing's
+    gradients, with dropout in the layers (the recompute must draw the forward's masks). Each layer's checkpoint
+    gets a tensor on the input's device among its arguments: torch.utils.checkpoint saves the RNG state of the
+    devices its arguments are on, and transformers binds the layer's other inputs into the function, so without one
+    a GPU's state would not be restored for the recompute (a CPU's always is; the GPU test checks the masks there)."""
+    import utils.offload
+
+    _, base = _model(seed=7, num_layers=3)
+    for layer in base.model.layers:
+        layer.self_attn.attention_dropout = 0.3  # dropout on the attention weights (SDPA's dropout_p) in training
+    ids, mask = _batch(base.config.vocab_size)
+    grads, devices = [], []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(utils.offload.torch.utils.checkpoint, "checkpoint", lambda fn, *args, **kwargs: devices.append(
+        [a.device for a in args if isinstance(a, torch.Tensor)]) or checkpoint(fn, *args, **kwargs))
+    for mode in ("checkpointing", "offload"):
+        model = copy.deepcopy(base).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mode == "offload":
+            enable_activation_offload(model)
+        torch.manual_seed(11)
+        logprobs, _ = completion_logprobs(model, ids, mask, 7)
+        loss = (logprobs * mask[:, 5:]).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append(_grads(model))
+    assert devices[-3:] == [[ids.device]] * 3  # the offload's three layers, each with its input's device
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
 def test_activation_offload_needs_checkpointed_layers():
     _, model = _model()
     with pytest.raises(RuntimeError, match="no checkpointed layers"):

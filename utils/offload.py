@@ -44,7 +44,8 @@ def side_stream(device):
 
 
 class _SavedInput:
-    """One layer input, offloaded to pinned host memory; `prefetch` starts the copy back."""
+    """One layer input, offloaded to pinned host memory; `prefetch` starts the copy back. The host copy is kept
+    until the layer's graph is freed, so a second backward through it (retain_graph) recomputes again."""
 
     def __init__(self, tensor):
         self.device = tensor.device
@@ -55,7 +56,7 @@ class _SavedInput:
             self.host, self.offloaded = tensor, None
             return
         stream = side_stream(tensor.device)
-        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host = torch.empty_like(tensor, device="cpu", pin_memory=True)  # the input's strides kept
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is computed
         with torch.cuda.stream(stream):
             self.host.copy_(tensor, non_blocking=True)
@@ -64,7 +65,7 @@ class _SavedInput:
         self.offloaded.record(stream)
 
     def prefetch(self):
-        if self.offloaded is None or self.gpu is not None or self.host is None:
+        if self.offloaded is None or self.gpu is not None:
             return
         stream = side_stream(self.device)
         stream.wait_event(self.offloaded)
@@ -75,12 +76,11 @@ class _SavedInput:
 
     def get(self):
         if self.offloaded is None:
-            tensor, self.host = self.host, None
-            return tensor
+            return self.host
         self.prefetch()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self.ready)
-        tensor, self.gpu, self.host = self.gpu, None, None
+        tensor, self.gpu = self.gpu, None
         tensor.record_stream(current)
         return tensor
 
@@ -105,13 +105,13 @@ def _offload_checkpoint(function, hidden, args, compiled):
     layer = (lambda h, *a: _compiled_layer(function, h, *a)) if compiled else function
     saved = _SavedInput(hidden.detach())
     previous = _last_saved() if _last_saved is not None else None
-    if previous is not None and previous.host is not None and previous.device == hidden.device:
+    if previous is not None and previous.device == hidden.device:
         saved.prev = weakref.ref(previous)
     _last_saved = weakref.ref(saved)
     requires_grad = hidden.requires_grad
     live = [hidden]  # the forward's input; the recompute's comes back from the host
 
-    def run(*rest):
+    def run(device, *rest):
         if live:
             return layer(live.pop(), *rest)
         restored = saved.get().detach().requires_grad_(requires_grad)
@@ -120,7 +120,10 @@ def _offload_checkpoint(function, hidden, args, compiled):
             below.prefetch()  # the layer below is recomputed next: overlap its copy with this one
         return layer(restored, *rest)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    # `device`, an empty tensor on the input's device: checkpoint keeps the RNG state of the devices its
+    # arguments are on, and transformers passes the layer's other inputs bound in `function`, so without it the
+    # recompute would draw other dropout masks on a GPU than the forward did (only the CPU's state restored)
+    return torch.utils.checkpoint.checkpoint(run, hidden.new_empty(0), *args, use_reentrant=False)
 
 
 def _call_layer(function, hidden, *args):

@@ -112,6 +112,34 @@ def test_activation_offload_on_gpu_same_gradients_less_memory():
     assert peak_off < peak_ckpt
 
 
+def test_activation_offload_on_gpu_recomputes_with_the_forwards_dropout_masks():
+    """Dropout in the layers (attention dropout 0.3): the offload's recompute draws the forward's masks on the GPU
+    (torch.utils.checkpoint restores the RNG state of the devices its arguments are on; the offload passes one on
+    the input's device), so its gradients are checkpointing's up to rounding, where other masks (another seed) move
+    them by far more. Written 2026-12-07 after a review found the GPU's state unsaved (the layer's other inputs reach
+    checkpoint bound in the function); not yet run on a GPU."""
+    from utils.offload import enable_activation_offload
+
+    base = _llama(layers=4, hidden=512)
+    for layer in base.model.layers:
+        layer.self_attn.attention_dropout = 0.3  # SDPA's dropout_p in training
+    ids, mask, C = _batch(base.config.vocab_size, B=4, T=256, C=128)
+    grads = []
+    for mode, seed in (("checkpointing", 0), ("offload", 0), ("offload", 1)):
+        model = copy.deepcopy(base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mode == "offload":
+            enable_activation_offload(model)
+        torch.manual_seed(seed)
+        grads.append(_step(model, ids, mask, C)[1])
+        del model
+    name, same = _worst_difference(grads[0], grads[1])
+    _, other = _worst_difference(grads[0], grads[2])
+    print(f"\nactivation offload with dropout: gradients against checkpointing {same:.2e} of the tensor's max "
+          f"({name}), with other masks {other:.2e}")
+    assert same < 1e-2 and other > 0.1, (name, same, other)
+
+
 def _fmt(phases):
     return "/".join(f"{x:.3f}" for x in phases)
 
