@@ -378,7 +378,7 @@ def main(argv=None):
     # --generation_backend auto: the compiled, captured decoding step where the weights stay put on a GPU
     args.generation_backend, backend_reason = resolve_generation_backend(
         args.generation_backend, home.type, placements["actor"].kind, engine, args.param_offload, args.generation_copy,
-        sum(p.numel() for p in model.parameters()), args.kv_cache_dtype)
+        sum(p.numel() for p in model.parameters()), args.kv_cache_dtype, args.share_prompt_cache)
     table = [("actor", placements["actor"], True)]
     ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the policy, adapter off
     if args.beta > 0 and args.use_lora:
@@ -500,7 +500,7 @@ def main(argv=None):
                             from_copy=args.generation_copy, return_logprobs=True,
                             prefill_chunk_size=args.prefill_chunk_size, kv_cache_dtype=args.kv_cache_dtype,
                             copy_dtype=args.generation_copy_dtype,
-                            copy_in_place=args.generation_copy_in_place),
+                            copy_in_place=args.generation_copy_in_place, share_prompt_cache=args.share_prompt_cache),
                         "generate", kind="generation")  # [B, C] x2, [B], [B, C]
 
             # 2. rewards: every function on every completion (then DAPO's overlong penalty, --overlong_buffer_len)

@@ -374,7 +374,7 @@ def main(argv=None):
     # --generation_backend auto: the compiled, captured decoding step where the weights stay put on a GPU
     args.generation_backend, backend_reason = resolve_generation_backend(
         args.generation_backend, placements["actor"].device.type, placements["actor"].kind, engine, args.param_offload,
-        args.generation_copy, sum(p.numel() for p in actor.parameters()), args.kv_cache_dtype)
+        args.generation_copy, sum(p.numel() for p in actor.parameters()), args.kv_cache_dtype, args.share_prompt_cache)
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
     use_ref = args.kl_coef > 0 or args.target_kl is not None
@@ -491,7 +491,7 @@ def main(argv=None):
                         keep_decoder=not args.empty_cache_between_phases, from_copy=args.generation_copy,
                         return_logprobs=True, prefill_chunk_size=args.prefill_chunk_size,
                         kv_cache_dtype=args.kv_cache_dtype, copy_dtype=args.generation_copy_dtype,
-                        copy_in_place=args.generation_copy_in_place),
+                        copy_in_place=args.generation_copy_in_place, share_prompt_cache=args.share_prompt_cache),
                     "generate", kind="generation")  # [B, C] x2, [B], [B, C]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)

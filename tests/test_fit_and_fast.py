@@ -69,6 +69,7 @@ def test_an_out_of_memory_error_under_the_cap_says_the_cap_was_the_limit(monkeyp
     (dict(device_type="cuda", engine="ddp", num_params=1_500_000_000), "compiled", "compiled and captured"),
     (dict(device_type="cpu", kv_cache_dtype="fp8"), "static", "--kv_cache_dtype fp8 needs this project's static cache"),
     (dict(device_type="cuda", engine="zero3", kv_cache_dtype="fp8"), "static", "under zero3"),
+    (dict(device_type="cpu", share_prompt_cache=True), "static", "--share_prompt_cache needs this project's static"),
 ])
 def test_auto_backend_rule(where, want, reason):
     backend, why = resolve_generation_backend("auto", **where)

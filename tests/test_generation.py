@@ -208,7 +208,7 @@ def test_fp8_kv_cache_stores_codes_and_decodes_near_the_bf16_cache():
 
     model, tokenizer, ids, mask = _model_and_prompts()
     pad = tokenizer.pad_token_id
-    cache, _ = generation._decoder(model, ids.shape[0], 32, (1.0, 0, 1.0, True), "eager", torch.device("cpu"), "fp8")
+    cache, _, _ = generation._decoder(model, ids.shape[0], 32, (1.0, 0, 1.0, True), "eager", torch.device("cpu"), "fp8")
     model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     assert cache.layers[0].keys.dtype == torch.uint8 and cache.layers[0].keys.shape[-1] == head_dim + 4
@@ -1024,3 +1024,112 @@ def test_sampling_logprobs_equal_the_training_forward(backend, temperature, top_
         filtered = sampling_logits(logits, temperature, top_k, top_p).log_softmax(-1)
         filtered = filtered.gather(1, completion_ids[:, :1]).squeeze(1)
         assert (filtered - sampling_logprobs[:, 0]).min() > 1e-3
+
+
+def _grouped_prompts(tokenizer, per_prompt=3):
+    """Left-padded prompts of different lengths, each repeated per_prompt times in a row (GRPO's groups)."""
+    enc = tokenizer(["1+2=", "12+34=", "7+7=", "100+1="], return_tensors="pt", padding=True, padding_side="left")
+    return enc["input_ids"].repeat_interleave(per_prompt, 0), enc["attention_mask"].repeat_interleave(per_prompt, 0)
+
+
+def test_distinct_prompts_maps_each_row_to_its_prompt_and_rounds_the_rows_up():
+    from utils.generation import PROMPT_ROWS_MULTIPLE, distinct_prompts
+
+    _, tokenizer, _, _ = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 3)  # 12 rows, 4 distinct prompts
+    ids, mask = ids[torch.randperm(12, generator=torch.Generator().manual_seed(0))], mask  # any order of rows
+    mask = (ids != tokenizer.pad_token_id).long()
+    prompt_ids, prompt_mask, prompt_row = distinct_prompts(ids, mask)
+    assert prompt_ids.shape == (min(12, PROMPT_ROWS_MULTIPLE), ids.shape[1]) and prompt_row.shape == (12,)
+    assert torch.equal(prompt_ids[prompt_row], ids) and torch.equal(prompt_mask[prompt_row], mask)
+    assert len(set(prompt_row.tolist())) == 4 and len({tuple(r) for r in prompt_ids.tolist()}) == 4
+    assert torch.equal(prompt_ids[4:], prompt_ids[:1].expand(4, -1))  # rounded up with the first prompt, never read
+    few = distinct_prompts(ids[:2], mask[:2])[0]  # never more prompt rows than rows
+    assert few.shape[0] == 2
+
+
+@pytest.mark.parametrize("step_mode", ["eager", "compiled"])
+def test_share_prompt_cache_gives_the_unshared_tokens_and_logprobs_from_one_prefill_per_prompt(step_mode):
+    """--share_prompt_cache: 4 prompts x 3 rows; the prefill runs on the distinct prompts (4, rounded up to 8 rows),
+    the decoding steps attend to their prompt's shared keys and values and to their own completion: greedy tokens
+    equal the unshared cache's, and sampling from the same seed draws the same tokens with the same sampling
+    logprobs up to float32 summation order (a row's prompt position order differs: left padding then the prompt's
+    rounding up before the completion)."""
+    model, tokenizer, _, _ = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 3)
+    pad = tokenizer.pad_token_id
+    kwargs = dict(step_mode=step_mode)
+    plain = static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, [10**9], pad, greedy=True, **kwargs)
+    prefills = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, inputs, output: prefills.append(tuple(inputs[0].shape)) if inputs[0].shape[1] > 1 else None)
+    shared = static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, [10**9], pad, greedy=True,
+                                   share_prompt_cache=True, **kwargs)
+    hook.remove()
+    assert prefills == [(8, ids.shape[1])]
+    assert len({tuple(row) for row in plain.tolist()}) == 4 and torch.equal(shared, plain)
+    torch.manual_seed(1)
+    plain = static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, [10**9], pad, return_logprobs=True, **kwargs)
+    torch.manual_seed(1)
+    shared = static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, [10**9], pad, return_logprobs=True,
+                                   share_prompt_cache=True, **kwargs)
+    assert len({tuple(row) for row in plain[0].tolist()}) == 12  # sampled: every row its own completion
+    assert torch.equal(shared[0], plain[0])
+    torch.testing.assert_close(shared[1], plain[1], rtol=0, atol=1e-4)
+
+
+def test_share_prompt_cache_attends_to_the_prompt():
+    """The shared path is not a no-op: with the prompt cache's keys zeroed after the prefill, the rollout changes
+    (a decoding step that ignored the shared prompt would pass the equality test above only if the prompt did not
+    matter)."""
+    from utils import generation
+
+    model, tokenizer, _, _ = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 3)
+    pad = tokenizer.pad_token_id
+    plain = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    real = generation._prefill
+
+    def prefill_then_forget(model, input_ids, mask, cache, chunk=None):
+        logits = real(model, input_ids, mask, cache, chunk)
+        if input_ids.shape[0] < ids.shape[0]:  # the shared prompts' prefill
+            for layer in cache.layers:
+                layer.values.zero_()
+        return logits
+
+    generation._prefill = prefill_then_forget
+    try:
+        forgot = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True,
+                                       share_prompt_cache=True)
+    finally:
+        generation._prefill = real
+    assert torch.equal(forgot[:, 0], plain[:, 0]) and not torch.equal(forgot, plain)
+
+
+@pytest.mark.parametrize("batch_size", [None, 6, 5])
+def test_share_prompt_cache_in_slices_and_through_generate_completions(batch_size):
+    """generate_completions with --share_prompt_cache (static backend), in one slice and in slices that do and do
+    not end at a group's end: every row gets the completion the unshared cache gives it (near-greedy sampling);
+    the hf backend refuses the flag."""
+    from utils.generation import build_generation_config, generate_completions
+
+    model, tokenizer, _, _ = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 3)
+    config = build_generation_config(10, 1e-4, 1.0, 0, tokenizer.pad_token_id, [10**9])
+    plain = generate_completions(model, ids, mask, config, [10**9], batch_size=batch_size, backend="static")[0]
+    shared = generate_completions(model, ids, mask, config, [10**9], batch_size=batch_size, backend="static",
+                                  share_prompt_cache=True)[0]
+    assert len({tuple(row) for row in plain.tolist()}) == 4 and torch.equal(shared, plain)
+    with pytest.raises(ValueError, match="share_prompt_cache needs a static-cache backend"):
+        generate_completions(model, ids, mask, config, [10**9], backend="hf", share_prompt_cache=True)
+
+
+def test_share_prompt_cache_runs_sdpa_for_a_model_on_eager_attention_and_restores_it():
+    model, tokenizer, _, _ = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 2)
+    pad = tokenizer.pad_token_id
+    plain = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    model.config._attn_implementation = "eager"
+    shared = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True,
+                                   share_prompt_cache=True)
+    assert model.config._attn_implementation == "eager" and torch.equal(shared, plain)

@@ -91,15 +91,18 @@ COMPILE_MIN_PARAMS = 100_000_000  # --generation_backend auto compiles the decod
 
 
 def resolve_generation_backend(requested, device_type, actor_kind="device", engine="single", param_offload=False,
-                               generation_copy=False, num_params=None, kv_cache_dtype="auto"):
+                               generation_copy=False, num_params=None, kv_cache_dtype="auto",
+                               share_prompt_cache=False):
     """--generation_backend auto -> (backend, why): the captured decoding step wherever the policy's
     weights stay at fixed addresses on one CUDA device (compiled from COMPILE_MIN_PARAMS parameters up,
     since compiling takes about a minute; cudagraph, the same step uncompiled, below), `static` on a GPU
     where they move, `hf` (transformers' generate) elsewhere, or `static` there too with --kv_cache_dtype
-    fp8 (this project's cache holds the fp8 codes). Any other value is returned as is."""
+    fp8 (this project's cache holds the fp8 codes) or --share_prompt_cache (one copy of each prompt's keys and
+    values). Any other value is returned as is."""
     if requested != "auto":
         return requested, None
-    fp8 = " (static, not hf: --kv_cache_dtype fp8 needs this project's static cache)" if kv_cache_dtype == "fp8" else ""
+    fp8 = (" (static, not hf: --kv_cache_dtype fp8 needs this project's static cache)" if kv_cache_dtype == "fp8" else
+           " (static, not hf: --share_prompt_cache needs this project's static cache)" if share_prompt_cache else "")
     if device_type != "cuda":
         return ("static" if fp8 else "hf"), f"the policy is on {device_type}, not a CUDA GPU (captured steps need CUDA graphs){fp8}"
     if engine in ("zero3", "fsdp2"):

@@ -70,7 +70,7 @@ HELP_SECTIONS = {
         "use_gradient_checkpointing", "activation_offload", "use_dynamic_bsz", "max_token_len_per_gpu",
         "logprob_chunk_size", "entropy_checkpointing", "optim", "load_in_4bit", "load_in_8bit", "use_bnb_nested_quant",
         "ref_offload", "reward_offload", "param_offload", "optimizer_offload", "offload_policy", "generation_slice_size",
-        "prefill_chunk_size", "kv_cache_dtype", "empty_cache_between_phases",
+        "prefill_chunk_size", "kv_cache_dtype", "share_prompt_cache", "empty_cache_between_phases",
         "auto_reduce_micro_batch", "plan", "auto_memory", "gpu_memory", "log_memory_every", "memory_report",
         "memory_snapshot", "memory_snapshot_step", "profile_step"),
     "speed": ("generation_backend", "generation_copy", "generation_copy_dtype", "generation_copy_in_place", "torch_compile",

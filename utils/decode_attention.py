@@ -40,6 +40,17 @@ def decode_attention(query, key, value, keep, scale):
     return torch.ops.lean_rl.decode_attention(query, key, value, keep, float(scale))
 
 
+def decode_attention_shared(query, prompt_key, prompt_value, prompt_keep, prompt_row, key, value, keep, scale):
+    """--share_prompt_cache: query [B, Hkv, G, D] over two parts of the cache in one softmax: the prompt part,
+    prompt_key and prompt_value [U, Hkv, Lp, D] with prompt_keep [U, Lp] bool, of which row b reads row
+    prompt_row[b] ([B] int64), and the completion part, key and value [B, Hkv, L, D] with keep [B, L] bool, its own
+    -> [B, Hkv, G, D] in the query's dtype. Each part is one program per (row, key/value head) as above, their
+    float32 partial softmaxes combined in a fixed order (as splits are): the same numbers as decode_attention over
+    the two parts laid end to end, up to float32 summation order."""
+    return torch.ops.lean_rl.decode_attention_shared(query, prompt_key, prompt_value, prompt_keep, prompt_row, key,
+                                                     value, keep, float(scale))
+
+
 def default_splits(programs, device):
     """How many parts each (row, key/value head)'s positions are split into: doubled until the programs reach
     PROGRAMS_PER_SM per multiprocessor, at most MAX_SPLITS (1 where there are that many already)."""
@@ -56,19 +67,24 @@ def _define_kernel():
     import triton.language as tl
 
     @triton.jit
-    def decode_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, o_ptr, m_ptr, l_ptr, L, scale,
+    def decode_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, row_ptr, o_ptr, m_ptr, l_ptr, L, scale, part0,
                                 sq_b, sq_h, sq_g, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, skeep_b, skeep_l,
                                 so_b, so_h, so_g, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                                L_POW2: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                                L_POW2: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                                PARTS: tl.constexpr, HAS_ROWS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
+        if HAS_ROWS:  # --share_prompt_cache's prompt part: query row b reads the keys, values and mask of row_ptr[b]
+            kb = tl.load(row_ptr + b)
+        else:
+            kb = b
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         n = tl.arange(0, BLOCK)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
         # the first and last position this row keeps: only the blocks between them are read
         every = tl.arange(0, L_POW2)
-        kept = tl.load(keep_ptr + b * skeep_b + every * skeep_l, mask=every < L, other=0) != 0
+        kept = tl.load(keep_ptr + kb * skeep_b + every * skeep_l, mask=every < L, other=0) != 0
         end = tl.max(tl.where(kept, every, -1), axis=0) + 1
         first = tl.min(tl.where(kept, every, L_POW2), axis=0)
         begin = (first // BLOCK) * BLOCK
@@ -82,8 +98,8 @@ def _define_kernel():
         for start in range(begin, end, BLOCK):
             pos = start + n
             inside = pos < end
-            keep = (tl.load(keep_ptr + b * skeep_b + pos * skeep_l, mask=inside, other=0) != 0) & inside
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + pos[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+            keep = (tl.load(keep_ptr + kb * skeep_b + pos * skeep_l, mask=inside, other=0) != 0) & inside
+            k = tl.load(k_ptr + kb * sk_b + h * sk_h + pos[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, BLOCK] float32
             s = tl.where(keep[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -91,15 +107,16 @@ def _define_kernel():
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptr + kb * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if SPLITS == 1:
+        if PARTS == 1:
             out = acc / l_i[:, None]
             tl.store(o_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=g[:, None] < G)
-        else:  # float32 partials [B, Hkv, SPLITS, G_PAD] (m, l) and [B, Hkv, SPLITS, G_PAD, D] (acc), unnormalised
-            part = (b * tl.num_programs(1) + h) * SPLITS + tl.program_id(2)
+        else:  # float32 partials [B, Hkv, PARTS, G_PAD] (m, l) and [B, Hkv, PARTS, G_PAD, D] (acc), unnormalised;
+            # this program's part: its split, after part0 parts written by other launches (the prompt's, shared)
+            part = (b * tl.num_programs(1) + h) * PARTS + part0 + tl.program_id(2)
             tl.store(m_ptr + part * G_PAD + g, m_i)
             tl.store(l_ptr + part * G_PAD + g, l_i)
             tl.store(o_ptr + (part * G_PAD + g[:, None]) * D + d[None, :], acc)
@@ -141,12 +158,12 @@ def _define_kernel():
         else:
             partial, maxima, sums = out, out, out  # unused
         decode_attention_kernel[(batch, heads, splits)](
-            query, key, value, keep, partial, maxima, sums, length, scale,
+            query, key, value, keep, keep, partial, maxima, sums, length, scale, 0,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), keep.stride(0), keep.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
             G=groups, G_PAD=g_pad, D=dim, L_POW2=triton.next_power_of_2(length), BLOCK=block, SPLITS=splits,
-            num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
+            PARTS=splits, HAS_ROWS=False, num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES)
         if splits > 1:
             decode_attention_combine[(batch, heads)](partial, maxima, sums, out, out.stride(0), out.stride(1),
                                                      out.stride(2), G=groups, G_PAD=g_pad, D=dim, SPLITS=splits,
@@ -155,6 +172,27 @@ def _define_kernel():
 
     LAUNCH.append(launch)
 
+    def launch_shared(query, prompt_key, prompt_value, prompt_keep, prompt_row, key, value, keep, scale):
+        # --share_prompt_cache: the prompt part (row b reads prompt row prompt_row[b]) and the completion part (row b
+        # its own), each one part of the softmax, combined as two splits are (in that order)
+        batch, heads, groups, dim = query.shape
+        g_pad = max(16, triton.next_power_of_2(groups))
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        partial = torch.empty((batch, heads, 2, g_pad, dim), dtype=torch.float32, device=query.device)
+        maxima = torch.empty((batch, heads, 2, g_pad), dtype=torch.float32, device=query.device)
+        sums = torch.empty_like(maxima)
+        for part, (k, v, kp, rows) in enumerate(((prompt_key, prompt_value, prompt_keep, prompt_row),
+                                                 (key, value, keep, None))):
+            decode_attention_kernel[(batch, heads, 1)](
+                query, k, v, kp, kp if rows is None else rows, partial, maxima, sums, k.shape[2], scale, part,
+                query.stride(0), query.stride(1), query.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), kp.stride(0), kp.stride(1), 0, 0, 0,
+                G=groups, G_PAD=g_pad, D=dim, L_POW2=triton.next_power_of_2(k.shape[2]), BLOCK=BLOCK_N, SPLITS=1,
+                PARTS=2, HAS_ROWS=rows is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        decode_attention_combine[(batch, heads)](partial, maxima, sums, out, out.stride(0), out.stride(1),
+                                                 out.stride(2), G=groups, G_PAD=g_pad, D=dim, SPLITS=2, num_warps=4)
+        return out
+
     @torch.library.custom_op("lean_rl::decode_attention", mutates_args=())
     def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor,
            scale: float) -> torch.Tensor:
@@ -162,6 +200,17 @@ def _define_kernel():
 
     @op.register_fake
     def _(query, key, value, keep, scale):
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op("lean_rl::decode_attention_shared", mutates_args=())
+    def shared_op(query: torch.Tensor, prompt_key: torch.Tensor, prompt_value: torch.Tensor, prompt_keep: torch.Tensor,
+                  prompt_row: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+        return launch_shared(query, prompt_key, prompt_value, prompt_keep.view(torch.uint8), prompt_row, key, value,
+                             keep.view(torch.uint8), scale)
+
+    @shared_op.register_fake
+    def _(query, prompt_key, prompt_value, prompt_keep, prompt_row, key, value, keep, scale):
         return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 

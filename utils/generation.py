@@ -60,46 +60,53 @@ def sample_from(logits, generator=None, uniform=None):
 @torch.no_grad()
 def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_p, top_k, eos_token_ids,
                           pad_token_id, step_mode="eager", greedy=False, check_every=16, return_logprobs=False,
-                          prefill_chunk_size=None, kv_cache_dtype="auto"):
+                          prefill_chunk_size=None, kv_cache_dtype="auto", share_prompt_cache=False):
     """--generation_backend static / cudagraph / compiled: the same sampling as `generate`
     (sampling_logits) from a static KV cache, so every decoding step has the same shapes and the
     step can be replayed as one CUDA graph (step_mode cudagraph: the eager step captured;
     compiled: the torch.compile'd step captured; on a CPU, eager and compiled-without-graph). No
     host synchronisation per token: whether every row has finished is asked every `check_every`
     steps. prefill_chunk_size (--prefill_chunk_size): the prompts go into the cache that many positions
-    per forward; kv_cache_dtype fp8 (--kv_cache_dtype): the cache holds float8 codes (_fp8_kv_class). Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
+    per forward; kv_cache_dtype fp8 (--kv_cache_dtype): the cache holds float8 codes (_fp8_kv_class); share_prompt_cache
+    (--share_prompt_cache): each distinct prompt prefilled once, its keys and values held once (SharedPrompt). Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
     return_logprobs each one's logprob [B, N] as the step sampled it (see _pick; 0 after EOS)."""
+    if share_prompt_cache and kv_cache_dtype == "fp8":
+        raise ValueError("--share_prompt_cache is not yet implemented with --kv_cache_dtype fp8")
     cache_len = static_cache_len(input_ids.shape[1], max_new_tokens)
-    with packed_gqa_decoding(model):
+    with packed_gqa_decoding(model, any_implementation=share_prompt_cache):
         tokens, logprobs = _static_loop(model, input_ids, attention_mask, max_new_tokens,
                                         (temperature, top_k, top_p, greedy), eos_token_ids, pad_token_id, step_mode,
-                                        check_every, cache_len, prefill_chunk_size, kv_cache_dtype)
+                                        check_every, cache_len, prefill_chunk_size, kv_cache_dtype, share_prompt_cache)
     return (tokens, logprobs) if return_logprobs else tokens
 
 
 def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_ids, pad_token_id, step_mode,
-                 check_every, cache_len, prefill_chunk_size=None, kv_cache_dtype="auto"):
+                 check_every, cache_len, prefill_chunk_size=None, kv_cache_dtype="auto", share_prompt=False):
     B, P = input_ids.shape
     device = input_ids.device
-    cache, step = _decoder(model, B, cache_len, sampling, step_mode, device, kv_cache_dtype)
-    mask = torch.zeros(B, cache_len, dtype=torch.long, device=device)  # [B, cache_len]
-    mask[:, :P] = attention_mask
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding
     eos = torch.tensor(eos_token_ids, device=device)
-    # prefill, `chunk` positions per forward (each chunk's queries see the cache up to their own
-    # position); only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits). It is
-    # picked by index (a copy, [B, 1, H] row-major), not by transformers' slice of the last position: that view
-    # kept the chunk's stride, so F.linear could not fold it into one matrix and ran B one-row products over the
-    # LM head broadcast B times (aten::bmm; CPU test)
-    chunk = min(prefill_chunk_size or P, P)
-    for start in range(0, P, chunk):
-        end = min(start + chunk, P)
-        logits = model(input_ids=input_ids[:, start:end], attention_mask=mask[:, :end],
-                       position_ids=positions[:, start:end], past_key_values=cache,
-                       cache_position=torch.arange(start, end, device=device), use_cache=True,
-                       logits_to_keep=torch.tensor([end - start - 1], device=device)).logits[:, -1]
+    if share_prompt:
+        # --share_prompt_cache: the prompts go once each into a cache of their own (SharedPrompt), the completions into
+        # the decoding cache from its position 0; row b's first token is drawn from its prompt's last logits
+        prompt_ids, prompt_mask, prompt_row = distinct_prompts(input_ids, attention_mask)  # [U, P] x2, [B]
+        completion_len = static_cache_len(0, max_new_tokens)
+        cache, step, shared = _decoder(model, B, completion_len, sampling, step_mode, device, kv_cache_dtype,
+                                       (prompt_ids.shape[0], static_cache_len(P, 0)))
+        shared.keep.zero_()
+        shared.keep[:, :P] = prompt_mask.bool()
+        shared.row.copy_(prompt_row)
+        logits = _prefill(model, prompt_ids, prompt_mask, shared.cache, prefill_chunk_size)[prompt_row]  # [B, V]
+        mask = torch.zeros(B, completion_len, dtype=torch.long, device=device)  # [B, completion positions]
+        first = 0  # the decoding cache's position of the first new token
+    else:
+        cache, step, _ = _decoder(model, B, cache_len, sampling, step_mode, device, kv_cache_dtype)
+        mask = torch.zeros(B, cache_len, dtype=torch.long, device=device)  # [B, cache_len]
+        mask[:, :P] = attention_mask
+        logits = _prefill(model, input_ids, mask, cache, prefill_chunk_size)
+        first = P
     token, logprob = _pick(logits, *sampling)
-    cache_positions = torch.arange(P, P + max_new_tokens, device=device)  # sliced per step: no host-to-device copy
+    cache_positions = torch.arange(first, first + max_new_tokens, device=device)  # sliced per step: no host copy
     position = positions[:, -1:] + 1
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logprobs = [], []
@@ -110,10 +117,57 @@ def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos
         finished = finished | torch.isin(token, eos)
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
             break
-        mask[:, P + t] = 1
+        mask[:, first + t] = 1
         token, logprob = step(token, position, cache_positions[t:t + 1], mask)
         position = position + 1
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def _prefill(model, input_ids, mask, cache, prefill_chunk_size=None):
+    """The prompts input_ids [B, P] (left-padded; mask [B, >= P] over the cache's positions) into `cache`,
+    `chunk` positions per forward (each chunk's queries see the cache up to their own position) -> the last
+    position's logits [B, V]. Only the last position goes through the LM head ([B, 1, V], not [B, P, V] logits). It
+    is picked by index (a copy, [B, 1, H] row-major), not by transformers' slice of the last position: that view
+    kept the chunk's stride, so F.linear could not fold it into one matrix and ran B one-row products over the
+    LM head broadcast B times (aten::bmm; CPU test)."""
+    P, device = input_ids.shape[1], input_ids.device
+    positions = (mask[:, :P].cumsum(dim=1) - 1).clamp(min=0)  # left padding
+    chunk = min(prefill_chunk_size or P, P)
+    for start in range(0, P, chunk):
+        end = min(start + chunk, P)
+        logits = model(input_ids=input_ids[:, start:end], attention_mask=mask[:, :end],
+                       position_ids=positions[:, start:end], past_key_values=cache,
+                       cache_position=torch.arange(start, end, device=device), use_cache=True,
+                       logits_to_keep=torch.tensor([end - start - 1], device=device)).logits[:, -1]
+    return logits
+
+
+PROMPT_ROWS_MULTIPLE = 8  # --share_prompt_cache: the prompt cache's rows rounded up to this (one captured shape
+# whether a slice's 16 prompts hold 16 distinct ones or, once in a while, 15)
+
+
+def distinct_prompts(input_ids, attention_mask):
+    """--share_prompt_cache: (prompt_ids [U, P], prompt_mask [U, P], prompt_row [B]) of the left-padded prompts
+    input_ids [B, P]: each distinct prompt once (GRPO's --num_generations rows of one prompt are one), row b's prompt
+    at prompt_ids[prompt_row[b]]. U is the distinct count rounded up to PROMPT_ROWS_MULTIPLE (at most B), the rows
+    added repeating the first prompt (prefilled, never read)."""
+    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)  # [B, 2P]: a prompt is ids and mask
+    distinct, prompt_row = torch.unique(rows, dim=0, return_inverse=True)  # [D, 2P], [B]
+    U = min(len(rows), -(-len(distinct) // PROMPT_ROWS_MULTIPLE) * PROMPT_ROWS_MULTIPLE)
+    distinct = torch.cat([distinct, distinct[:1].expand(U - len(distinct), -1)])
+    P = input_ids.shape[1]
+    return distinct[:, :P], distinct[:, P:].to(attention_mask.dtype), prompt_row
+
+
+class SharedPrompt:
+    """--share_prompt_cache: the rollout's prompts' keys and values, one row per distinct prompt, for the decoding
+    steps' attention (packed_gqa_attention, passed as the model's `shared_prompt` keyword, which transformers hands
+    to the attention function): cache (a StaticCache of U rows x the prompt's positions), keep [U, Lp] bool (the
+    positions each prompt holds: its left padding and the rounding up are not), row [B] int64 (the prompt row of each
+    decoding row). Static tensors, filled in place by each rollout (a captured step reads their addresses)."""
+
+    def __init__(self, cache, keep, row):
+        self.cache, self.keep, self.row = cache, keep, row
 
 
 PACKED_GQA = "lean_rl_packed_gqa_sdpa"  # the attention implementation's registered name
@@ -129,11 +183,23 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     768 positions, computed); transformers 5.24 packs like this outside torch.compile only. Same
     numbers. On an H200 the 1.5b step went from 7.4 to 3.5 ms (compiled, bf16). On a CUDA GPU with
     Triton, the packed product runs in utils/decode_attention.py's kernel, which reads only the cache
-    positions the mask keeps (SDPA reads all `cache_len`)."""
+    positions the mask keeps (SDPA reads all `cache_len`). With a `shared_prompt` keyword (a SharedPrompt,
+    --share_prompt_cache) a decoding step attends to its row's prompt in that cache and to its own completion here,
+    one softmax over both (shared_prompt_attention)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
+    shared = kwargs.pop("shared_prompt", None)
+    if shared is not None:
+        if q_len != 1 or attention_mask is None or dropout or kwargs.get("softcap") is not None:
+            raise ValueError("--share_prompt_cache: a decoding step's attention takes one query token and the "
+                             "static cache's mask, without dropout or softcapping")
+        layer = shared.cache.layers[module.layer_idx]
+        out = shared_prompt_attention(query.reshape(batch, heads // groups, groups, dim), layer.keys, layer.values,
+                                      shared.keep, shared.row, key, value, attention_mask[:, 0, 0, :],
+                                      dim ** -0.5 if scaling is None else scaling)
+        return out.reshape(batch, 1, heads, dim), None
     mask_shared = attention_mask is None or attention_mask.shape[1] == 1
     if (q_len != 1 or groups == 1 or not mask_shared or dropout or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None):
@@ -154,12 +220,32 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     return out.reshape(batch, 1, heads, dim), None
 
 
+def shared_prompt_attention(query, prompt_key, prompt_value, prompt_keep, prompt_row, key, value, keep, scale):
+    """--share_prompt_cache's attention of one decoding step: query [B, Hkv, G, D] (the G query heads of each
+    key/value head) over row b's prompt, prompt_key and prompt_value [U, Hkv, Lp, D] at row prompt_row[b] ([B])
+    with prompt_keep [U, Lp] bool, and its completion so far, key and value [B, Hkv, L, D] with keep [B, L] bool, in
+    one softmax -> [B, Hkv, G, D]. On a CUDA GPU with Triton utils/decode_attention.py's kernel reads each part in
+    place; elsewhere the prompt rows are gathered, laid before the completion's positions and SDPA runs over both:
+    the same numbers as the unshared cache's SDPA, whose positions hold the same keys in another order."""
+    keep = keep.bool()
+    if decode_attention.usable(query, key, keep[:, None, None, :]) and prompt_key.dtype == query.dtype:
+        return decode_attention.decode_attention_shared(query, prompt_key, prompt_value, prompt_keep, prompt_row,
+                                                        key, value, keep, scale)
+    key = torch.cat([prompt_key[prompt_row], key], dim=2)
+    value = torch.cat([prompt_value[prompt_row], value], dim=2)
+    keep = torch.cat([prompt_keep[prompt_row], keep], dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=keep[:, None, None, :],
+                                                            scale=scale)
+
+
 @contextmanager
-def packed_gqa_decoding(model):
+def packed_gqa_decoding(model, any_implementation=False):
     """A model on transformers' SDPA attention runs packed_gqa_attention for the rollout (its
-    masks made as SDPA's); any other attention implementation is left alone."""
+    masks made as SDPA's); any other attention implementation is left alone, unless any_implementation
+    (--share_prompt_cache, whose decoding steps need packed_gqa_attention: the rollout then runs SDPA)."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa" and not any_implementation:
         yield
         return
     from transformers import AttentionInterface
@@ -171,7 +257,7 @@ def packed_gqa_decoding(model):
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = implementation
 
 
 def _pick(logits, temperature, top_k, top_p, greedy, uniform=None):
@@ -202,23 +288,26 @@ GENERATION_FALLBACK = "--generation_backend compiled", "as --generation_backend 
 _CAPTURED_BEFORE = set()  # (model class, device, _decoder's key) of every decoding step captured in this process
 
 
-def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtype="auto"):
+def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtype="auto", prompt_cache=None):
     """(static KV cache, decoding step(token [B], position [B, 1], cache_position [1], mask [B, L])
-    -> (next token [B], its logprob [B])) for `model`. A captured or compiled pair is kept on the model for its next
-    rollouts (the cache emptied each time): the graph replays into the same cache tensors and
-    nothing is compiled or captured again, for the price of the cache staying allocated between
-    rollouts. The eager step gets a fresh cache each call (freed with it)."""
+    -> (next token [B], its logprob [B]), SharedPrompt or None) for `model`. prompt_cache (--share_prompt_cache):
+    (prompt rows U, prompt positions Lp): the steps also attend to a SharedPrompt's cache of U rows x Lp positions.
+    A captured or compiled pair is kept on the model for its next rollouts (the caches emptied each time): the graph
+    replays into the same cache tensors and nothing is compiled or captured again, for the price of the cache staying
+    allocated between rollouts. The eager step gets a fresh cache each call (freed with it)."""
     from transformers import StaticCache
 
     graph = step_mode in CAPTURED_BACKENDS and device.type == "cuda"
     keep = graph or step_mode == "compiled"
-    key = (batch, cache_len, sampling, step_mode, kv_cache_dtype)
+    key = (batch, cache_len, sampling, step_mode, kv_cache_dtype, prompt_cache)
     held = model.__dict__.pop("_lean_rl_decoder", None)  # another shape: the old cache is freed before the new one
     if keep and held is not None and held[0] == key:
         model.__dict__["_lean_rl_decoder"] = held
-        _, cache, step = held
+        _, cache, step, shared = held
         cache.reset()  # zeros and position 0: stale keys and values never meet the mask as NaN * 0
-        return cache, step
+        if shared is not None:
+            shared.cache.reset()
+        return cache, step, shared
     del held
     cache = StaticCache(config=model.config, max_cache_len=cache_len)
     if kv_cache_dtype == "fp8":
@@ -226,10 +315,18 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
             layer.__class__ = _fp8_kv_class(type(layer))
     else:
         _store_keys_as_values(cache)  # autocast may start only inside the forward (accelerate wraps it)
+    shared, extra = None, {}
+    if prompt_cache is not None:
+        rows, length = prompt_cache
+        shared = SharedPrompt(StaticCache(config=model.config, max_cache_len=length),
+                              torch.zeros(rows, length, dtype=torch.bool, device=device),
+                              torch.zeros(batch, dtype=torch.long, device=device))
+        _store_keys_as_values(shared.cache)
+        extra = {"shared_prompt": shared}  # handed by transformers to the attention function (packed_gqa_attention)
 
     def forward(token, position, cache_position, mask):
         return model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
-                     cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1]
+                     cache_position=cache_position, use_cache=True, logits_to_keep=1, **extra).logits[:, -1]
 
     pick = _pick
     if step_mode == "compiled":  # fused kernels (the graph is captured below); the random draw stays eager
@@ -248,26 +345,32 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
         # and cuBLAS workspaces exist, so one warm-up run before the capture (the first capture of a shape runs 3;
         # each was ~17 ms of a 1.5b rollout's start, H200 profile 2026-12-06)
         step = _captured(model, cache, step, batch, cache_len, device,
-                         warmup=1 if (type(model), device, key) in _CAPTURED_BEFORE else 3)
+                         warmup=1 if (type(model), device, key) in _CAPTURED_BEFORE else 3, shared=shared)
         _CAPTURED_BEFORE.add((type(model), device, key))
     if keep:
-        model.__dict__["_lean_rl_decoder"] = (key, cache, step)  # lives (and dies) with the model
-    return cache, step
+        model.__dict__["_lean_rl_decoder"] = (key, cache, step, shared)  # lives (and dies) with the model
+    return cache, step, shared
 
 
-def _captured(model, cache, step, batch, cache_len, device, warmup=3):
+def _captured(model, cache, step, batch, cache_len, device, warmup=3, shared=None):
     """`step` recorded once as a CUDA graph (torch.cuda.graph) and replayed at every decoding
     step: one launch instead of one per kernel (torch.compile's own CUDA-graph trees re-recorded
     this step at every token under transformers 5.17). The inputs are copied into the graph's own
     buffers, the output copied out. The cache is filled by a one-token prefill so that its
     tensors exist, warmed up on a side stream (cuBLAS workspaces, compilation), captured, then
-    emptied: its tensors keep their addresses, which the graph reads and writes."""
+    emptied: its tensors keep their addresses, which the graph reads and writes. A SharedPrompt's cache is filled
+    and emptied the same way."""
     token = torch.zeros(batch, dtype=torch.long, device=device)
     position = torch.ones(batch, 1, dtype=torch.long, device=device)
     mask = torch.zeros(batch, cache_len, dtype=torch.long, device=device)
     mask[:, :2] = 1
     model(input_ids=token[:, None], attention_mask=mask[:, :1], position_ids=position - 1, past_key_values=cache,
           cache_position=torch.arange(1, device=device), use_cache=True, logits_to_keep=1)
+    if shared is not None:
+        rows = shared.keep.shape[0]
+        model(input_ids=token[:rows, None], attention_mask=mask[:rows, :1], position_ids=position[:rows] - 1,
+              past_key_values=shared.cache, cache_position=torch.arange(1, device=device), use_cache=True,
+              logits_to_keep=1)
     inputs = (token, position, torch.ones(1, dtype=torch.long, device=device), mask)
     side = side_stream(device)  # one per device, shared by every capture
     side.wait_stream(torch.cuda.current_stream(device))
@@ -284,6 +387,8 @@ def _captured(model, cache, step, batch, cache_len, device, warmup=3):
         with torch.cuda.graph(graph):
             output = step(*inputs)
     cache.reset()
+    if shared is not None:
+        shared.cache.reset()
 
     def replay(*new_inputs):
         for buffer, value in zip(inputs, new_inputs):
@@ -361,7 +466,8 @@ def _fp8_kv_class(cls):
 @torch.no_grad()
 def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_token_ids, batch_size=None,
                          backend="hf", keep_decoder=True, from_copy=False, return_logprobs=False,
-                         prefill_chunk_size=None, kv_cache_dtype="auto", copy_dtype="bfloat16", copy_in_place=False):
+                         prefill_chunk_size=None, kv_cache_dtype="auto", copy_dtype="bfloat16", copy_in_place=False,
+                         share_prompt_cache=False):
     """Sample one completion per row of `prompt_ids` [B, P] (left-padded), `batch_size` rows at
     a time (--generation_slice_size: a smaller KV cache; default all at once; the slices grouped by
     prompt length), with `generate`
@@ -375,7 +481,9 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     back after it, also when the rollout fails). prefill_chunk_size
     (--prefill_chunk_size): the prompts
     are prefilled that many positions per forward (hf: generate's own prefill_chunk_size);
-    kv_cache_dtype fp8 (--kv_cache_dtype): the static backends' cache holds float8 codes (not hf).
+    kv_cache_dtype fp8 (--kv_cache_dtype): the static backends' cache holds float8 codes (not hf);
+    share_prompt_cache (--share_prompt_cache): the static backends prefill each slice's distinct prompts once and
+    keep their keys and values once (not hf).
 
     Returns completion_ids [B, C] (right-padded with the pad id after the first EOS),
     completion_mask [B, C] (1 up to and including the first EOS) and is_truncated [B]
@@ -384,8 +492,9 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
     numerics that sampled it, at the sampling temperature and before top-k / top-p, as the training
     forward computes it (the rollout correction's pi_rollout). No extra forward: the static loops
     take it from the logits they sample from, `generate` through _SampledLogprobs."""
-    if backend == "hf" and kv_cache_dtype == "fp8":
-        raise ValueError("--kv_cache_dtype fp8 needs a static-cache backend, not hf")
+    if backend == "hf" and (kv_cache_dtype == "fp8" or share_prompt_cache):
+        raise ValueError(f"{'--kv_cache_dtype fp8' if kv_cache_dtype == 'fp8' else '--share_prompt_cache'} needs a "
+                         "static-cache backend, not hf")
     chunked_config = None  # generate's own chunked prefill, for slices longer than the chunk
     if backend == "hf" and prefill_chunk_size:
         chunked_config = copy.copy(generation_config)
@@ -438,7 +547,8 @@ def generate_completions(model, prompt_ids, prompt_mask, generation_config, eos_
                     new, new_logprobs = static_cache_generate(
                         model, ids, mask, gc.max_new_tokens, gc.temperature, gc.top_p or 1.0, gc.top_k or 0,
                         eos_token_ids, gc.pad_token_id, step_mode=step_mode, return_logprobs=True,
-                        prefill_chunk_size=prefill_chunk_size, kv_cache_dtype=kv_cache_dtype)
+                        prefill_chunk_size=prefill_chunk_size, kv_cache_dtype=kv_cache_dtype,
+                        share_prompt_cache=share_prompt_cache)
                 slices.append((new.to(prompt_ids.device), new_logprobs.float().to(prompt_ids.device)))
     finally:
         model.train(was_training)

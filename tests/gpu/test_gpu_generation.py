@@ -688,3 +688,117 @@ def test_qlora_rollout_runs_o_proj_and_the_prefill_lm_head_as_one_matrix_product
     monkeypatch.setattr(generation, "CAPTURED_BACKENDS", ())  # the step uncaptured: each op seen with its shapes
     one_row, quantised = one_row_batched_products(local_model, "cuda")
     assert quantised and not one_row, one_row[:3]
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-7b", "qwen2.5-1.5b"])
+def test_shared_prompt_attention_matches_sdpa_over_the_gathered_prompts_and_prints_its_time(shape):
+    """--share_prompt_cache's kernel (utils/decode_attention.py launch_shared): 128 rows in groups of 8 over 16
+    prompts of 256 positions (some left-padded) and their own 512 completion positions, against SDPA over each row's
+    prompt gathered and laid before its completion: equal up to bf16 rounding, with every unkept completion position
+    poisoned with NaN (never read). Timed in a CUDA graph against the unshared kernel over the same rows' 768-position
+    cache at the rollout's mean position (printed, not asserted)."""
+    from utils import decode_attention
+    from utils.int8 import _graph_milliseconds
+    from utils.plan import SHAPES
+
+    config = SHAPES[shape]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config["hidden_size"] // heads
+    rows, prompts, prompt_len, completion_len = 128, 16, 256, 512
+    assert decode_attention.ready()
+    torch.manual_seed(0)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(rows, kv_heads, heads // kv_heads, dim, **bf16)
+    prompt_key = torch.randn(prompts, kv_heads, prompt_len, dim, **bf16)
+    prompt_value = torch.randn(prompts, kv_heads, prompt_len, dim, **bf16)
+    prompt_keep = torch.ones(prompts, prompt_len, dtype=torch.bool, device="cuda")
+    prompt_keep[::3, :40] = False  # left padding on every third prompt
+    prompt_row = torch.arange(rows, device="cuda") // (rows // prompts)
+    key = torch.randn(rows, kv_heads, completion_len, dim, **bf16)
+    value = torch.randn(rows, kv_heads, completion_len, dim, **bf16)
+    scale = dim ** -0.5
+    for position in (0, 255, completion_len - 1):
+        keep = torch.zeros(rows, completion_len, dtype=torch.bool, device="cuda")
+        keep[:, :position + 1] = True
+        poisoned_key, poisoned_value = key.clone(), value.clone()
+        poisoned_key[:, :, position + 1:] = float("nan")
+        poisoned_value[:, :, position + 1:] = float("nan")
+        ours = decode_attention.decode_attention_shared(query, prompt_key, prompt_value, prompt_keep, prompt_row,
+                                                        poisoned_key, poisoned_value, keep, scale).float()
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, torch.cat([prompt_key[prompt_row], key], dim=2), torch.cat([prompt_value[prompt_row], value], dim=2),
+            attn_mask=torch.cat([prompt_keep[prompt_row], keep], dim=1)[:, None, None, :], scale=scale).float()
+        assert not ours.isnan().any()
+        torch.testing.assert_close(ours, want, rtol=2e-2, atol=2e-2)
+        assert (ours - want).abs().mean() < 2e-3
+
+    position = 255  # the rollout's mean
+    keep = torch.zeros(rows, completion_len, dtype=torch.bool, device="cuda")
+    keep[:, :position + 1] = True
+    whole_key = torch.cat([prompt_key[prompt_row], key], dim=2)  # the unshared cache: [rows, Hkv, 768, D]
+    whole_value = torch.cat([prompt_value[prompt_row], value], dim=2)
+    whole_keep = torch.cat([prompt_keep[prompt_row], keep], dim=1)
+    shared_us = 1e3 * _graph_milliseconds(lambda: decode_attention.decode_attention_shared(
+        query, prompt_key, prompt_value, prompt_keep, prompt_row, key, value, keep, scale))
+    whole_us = 1e3 * _graph_milliseconds(lambda: decode_attention.decode_attention(
+        query, whole_key, whole_value, whole_keep, scale))
+    cache = lambda *tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    print(f"\n{shape} ({rows} rows over {prompts} prompts, {torch.cuda.get_device_name()}): shared {shared_us:.1f} us a "
+          f"layer against {whole_us:.1f} unshared at completion position {position}; one layer's cache "
+          f"{cache(prompt_key, prompt_value, key, value):.1f} MiB against {cache(whole_key, whole_value):.1f}")
+
+
+@pytest.mark.parametrize("step_mode", MODES)
+def test_share_prompt_cache_keeps_the_greedy_tokens_with_a_smaller_cache_on_gpu(step_mode, monkeypatch):
+    """A bf16 model's greedy rollout of 4 prompts x 4 rows each with --share_prompt_cache (the shared kernel called;
+    compiled: no fallback) and without it, each judged by one referee (the model's full forward, no cache), as
+    test_decode_attention_in_the_decoding_step_keeps_the_greedy_tokens_on_gpu judges the kernel; the two caches'
+    bytes: the shared one holds 4 prompt rows (rounded up to 8) instead of 16. Twice (the kept graph replays a
+    second rollout of other prompts)."""
+    import warnings
+
+    from utils import decode_attention
+    from utils.generation import static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    model = model.to(torch.bfloat16)
+    ids, mask = ids.repeat_interleave(4, dim=0), mask.repeat_interleave(4, dim=0)
+    calls = []
+    real = decode_attention.decode_attention_shared
+    monkeypatch.setattr(decode_attention, "decode_attention_shared", lambda *a: calls.append(1) or real(*a))
+    for rollout in range(2):
+        these_ids = ids if rollout == 0 else ids.flip(0)
+        these_mask = mask if rollout == 0 else mask.flip(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = static_cache_generate(model, these_ids, these_mask, 48, 1.0, 1.0, 0, [10**9], pad,
+                                         step_mode=step_mode, greedy=True, share_prompt_cache=True)
+        assert calls and not [w for w in caught if "torch.compile failed" in str(w.message)]
+        held = model.__dict__.get("_lean_rl_decoder")
+        shared_bytes = None
+        if held is not None:  # cudagraph, compiled: the kept caches
+            _, cache, _, shared = held
+            tensors = [t for c in (cache, shared.cache) for layer in c.layers for t in (layer.keys, layer.values)]
+            shared_bytes = sum(t.numel() * t.element_size() for t in tensors)
+            assert shared.cache.layers[0].keys.shape[0] == 8 and cache.layers[0].keys.shape[0] == 16
+        model.__dict__.pop("_lean_rl_decoder", None)
+        plain = static_cache_generate(model, these_ids, these_mask, 48, 1.0, 1.0, 0, [10**9], pad,
+                                      step_mode=step_mode, greedy=True)
+        if shared_bytes is not None:
+            _, cache, _, _ = model.__dict__["_lean_rl_decoder"]
+            plain_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+            print(f"\n{step_mode}: the KV cache {shared_bytes / 2**20:.2f} MiB shared, {plain_bytes / 2**20:.2f} not")
+            assert shared_bytes < plain_bytes
+        model.__dict__.pop("_lean_rl_decoder", None)
+        _assert_as_greedy(model, these_ids, these_mask, ours, plain, f"{step_mode}, rollout {rollout}", "shared",
+                          "unshared")
+
+
+def test_grpo_trains_with_share_prompt_cache_on_gpu(run, tmp_path, local_model):
+    result = run(["--model_name_or_path", local_model, "--max_steps", "3", "--prompts_per_step", "8",
+                  "--num_generations", "4", "--max_completion_length", "32", "--share_prompt_cache",
+                  "--output_dir", str(tmp_path), "--save_strategy", "no"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(tmp_path)
+    assert len(rows) == 3 and "compiled" in result.stdout + result.stderr
+    print(f"\n--share_prompt_cache: generate {rows[-1]['time/generate']:.2f} s, step {rows[-1]['time/step']:.2f} s")
