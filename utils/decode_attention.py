@@ -99,7 +99,8 @@ def _define_kernel():
             pos = start + n
             inside = pos < end
             keep = (tl.load(keep_ptr + kb * skeep_b + pos * skeep_l, mask=inside, other=0) != 0) & inside
-            k = tl.load(k_ptr + kb * sk_b + h * sk_h + pos[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+            k = tl.load(k_ptr + kb * sk_b + h * sk_h + pos[:, None] * sk_l + d[None, :], mask=inside[:, None],
+                        other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, BLOCK] float32
             s = tl.where(keep[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -107,7 +108,8 @@ def _define_kernel():
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kb * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptr + kb * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :], mask=inside[:, None],
+                        other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if PARTS == 1:

@@ -67,9 +67,10 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
     compiled: the torch.compile'd step captured; on a CPU, eager and compiled-without-graph). No
     host synchronisation per token: whether every row has finished is asked every `check_every`
     steps. prefill_chunk_size (--prefill_chunk_size): the prompts go into the cache that many positions
-    per forward; kv_cache_dtype fp8 (--kv_cache_dtype): the cache holds float8 codes (_fp8_kv_class); share_prompt_cache
-    (--share_prompt_cache): each distinct prompt prefilled once, its keys and values held once (SharedPrompt). Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and with
-    return_logprobs each one's logprob [B, N] as the step sampled it (see _pick; 0 after EOS)."""
+    per forward; kv_cache_dtype fp8 (--kv_cache_dtype): the cache holds float8 codes (_fp8_kv_class);
+    share_prompt_cache (--share_prompt_cache): each distinct prompt prefilled once, its keys and values held
+    once (SharedPrompt). Returns the new tokens [B, N] (pad after a row's first EOS), N <= max_new_tokens, and
+    with return_logprobs each one's logprob [B, N] as the step sampled it (see _pick; 0 after EOS)."""
     if share_prompt_cache and kv_cache_dtype == "fp8":
         raise ValueError("--share_prompt_cache is not yet implemented with --kv_cache_dtype fp8")
     cache_len = static_cache_len(input_ids.shape[1], max_new_tokens)

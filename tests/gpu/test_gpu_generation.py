@@ -743,8 +743,8 @@ def test_shared_prompt_attention_matches_sdpa_over_the_gathered_prompts_and_prin
     whole_us = 1e3 * _graph_milliseconds(lambda: decode_attention.decode_attention(
         query, whole_key, whole_value, whole_keep, scale))
     cache = lambda *tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**20
-    print(f"\n{shape} ({rows} rows over {prompts} prompts, {torch.cuda.get_device_name()}): shared {shared_us:.1f} us a "
-          f"layer against {whole_us:.1f} unshared at completion position {position}; one layer's cache "
+    print(f"\n{shape} ({rows} rows over {prompts} prompts, {torch.cuda.get_device_name()}): shared {shared_us:.1f} us "
+          f"a layer against {whole_us:.1f} unshared at completion position {position}; one layer's cache "
           f"{cache(prompt_key, prompt_value, key, value):.1f} MiB against {cache(whole_key, whole_value):.1f}")
 
 
@@ -786,7 +786,8 @@ def test_share_prompt_cache_keeps_the_greedy_tokens_with_a_smaller_cache_on_gpu(
                                       step_mode=step_mode, greedy=True)
         if shared_bytes is not None:
             _, cache, _, _ = model.__dict__["_lean_rl_decoder"]
-            plain_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+            plain_bytes = sum(t.numel() * t.element_size()
+                              for layer in cache.layers for t in (layer.keys, layer.values))
             print(f"\n{step_mode}: the KV cache {shared_bytes / 2**20:.2f} MiB shared, {plain_bytes / 2**20:.2f} not")
             assert shared_bytes < plain_bytes
         model.__dict__.pop("_lean_rl_decoder", None)
