@@ -1032,25 +1032,23 @@ def _grouped_prompts(tokenizer, per_prompt=3):
     return enc["input_ids"].repeat_interleave(per_prompt, 0), enc["attention_mask"].repeat_interleave(per_prompt, 0)
 
 
-def test_distinct_prompts_maps_each_row_to_its_prompt_and_rounds_the_rows_up():
-    from utils.generation import PROMPT_ROWS_MULTIPLE, distinct_prompts
+def test_distinct_prompts_are_the_runs_of_equal_rows():
+    from utils.generation import distinct_prompts
 
     _, tokenizer, _, _ = _model_and_prompts()
-    ids, mask = _grouped_prompts(tokenizer, 3)  # 12 rows, 4 distinct prompts
-    ids, mask = ids[torch.randperm(12, generator=torch.Generator().manual_seed(0))], mask  # any order of rows
-    mask = (ids != tokenizer.pad_token_id).long()
+    ids, mask = _grouped_prompts(tokenizer, 3)  # 12 rows: 4 prompts x 3
     prompt_ids, prompt_mask, prompt_row = distinct_prompts(ids, mask)
-    assert prompt_ids.shape == (min(12, PROMPT_ROWS_MULTIPLE), ids.shape[1]) and prompt_row.shape == (12,)
+    assert prompt_ids.shape == (4, ids.shape[1]) and prompt_row.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     assert torch.equal(prompt_ids[prompt_row], ids) and torch.equal(prompt_mask[prompt_row], mask)
-    assert len(set(prompt_row.tolist())) == 4 and len({tuple(r) for r in prompt_ids.tolist()}) == 4
-    assert torch.equal(prompt_ids[4:], prompt_ids[:1].expand(4, -1))  # rounded up with the first prompt, never read
-    few = distinct_prompts(ids[:2], mask[:2])[0]  # never more prompt rows than rows
-    assert few.shape[0] == 2
+    twice = torch.cat([ids[:3], ids[:3], ids[3:]]), torch.cat([mask[:3], mask[:3], mask[3:]])  # a prompt's 2 groups
+    assert distinct_prompts(*twice)[0].shape[0] == 4  # adjacent: one run
+    apart = torch.cat([ids[:3], ids[3:6], ids[:3]]), torch.cat([mask[:3], mask[3:6], mask[:3]])
+    assert distinct_prompts(*apart)[2].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # apart: two (what a slice holds)
 
 
 @pytest.mark.parametrize("step_mode", ["eager", "compiled"])
 def test_share_prompt_cache_gives_the_unshared_tokens_and_logprobs_from_one_prefill_per_prompt(step_mode):
-    """--share_prompt_cache: 4 prompts x 3 rows; the prefill runs on the distinct prompts (4, rounded up to 8 rows),
+    """--share_prompt_cache: 4 prompts x 3 rows; the prefill runs on the 4 distinct prompts,
     the decoding steps attend to their prompt's shared keys and values and to their own completion: greedy tokens
     equal the unshared cache's, and sampling from the same seed draws the same tokens with the same sampling
     logprobs up to float32 summation order (a row's prompt position order differs: left padding then the prompt's
@@ -1066,7 +1064,7 @@ def test_share_prompt_cache_gives_the_unshared_tokens_and_logprobs_from_one_pref
     shared = static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, [10**9], pad, greedy=True,
                                    share_prompt_cache=True, **kwargs)
     hook.remove()
-    assert prefills == [(8, ids.shape[1])]
+    assert prefills == [(4, ids.shape[1])]
     assert len({tuple(row) for row in plain.tolist()}) == 4 and torch.equal(shared, plain)
     torch.manual_seed(1)
     plain = static_cache_generate(model, ids, mask, 20, 1.0, 1.0, 0, [10**9], pad, return_logprobs=True, **kwargs)
@@ -1133,3 +1131,26 @@ def test_share_prompt_cache_runs_sdpa_for_a_model_on_eager_attention_and_restore
     shared = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True,
                                    share_prompt_cache=True)
     assert model.config._attn_implementation == "eager" and torch.equal(shared, plain)
+
+
+def test_a_kept_shared_decoder_serves_a_rollout_with_fewer_prompts_without_compiling_again():
+    """compiled (kept between rollouts): a rollout whose groups hold one prompt twice side by side (3 prompt rows
+    instead of 4) decodes with the kept decoder (its fourth prompt row filled, never read; no new compile) and gives
+    the unshared cache's greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    model, tokenizer, _, _ = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 3)
+    pad = tokenizer.pad_token_id
+    static_cache_generate(model, ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled",
+                          share_prompt_cache=True)
+    shared = model.__dict__["_lean_rl_decoder"][3]
+    assert shared.keep.shape[0] == 4
+    frames = counters["frames"]["ok"]
+    ids, mask = torch.cat([ids[:3], ids[:3], ids[6:]]), torch.cat([mask[:3], mask[:3], mask[6:]])
+    ours = static_cache_generate(model, ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled",
+                                 share_prompt_cache=True)
+    assert model.__dict__["_lean_rl_decoder"][3] is shared
+    assert counters["frames"]["ok"] == frames
+    model.__dict__.pop("_lean_rl_decoder")
+    assert torch.equal(ours, static_cache_generate(model, ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True))

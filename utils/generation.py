@@ -94,6 +94,10 @@ def _static_loop(model, input_ids, attention_mask, max_new_tokens, sampling, eos
         completion_len = static_cache_len(0, max_new_tokens)
         cache, step, shared = _decoder(model, B, completion_len, sampling, step_mode, device, kv_cache_dtype,
                                        (prompt_ids.shape[0], static_cache_len(P, 0)))
+        extra = shared.keep.shape[0] - prompt_ids.shape[0]  # a kept decoder's prompt rows beyond this rollout's:
+        if extra:  # filled with its first prompt (prefilled, never read)
+            prompt_ids = torch.cat([prompt_ids, prompt_ids[:1].expand(extra, -1)])
+            prompt_mask = torch.cat([prompt_mask, prompt_mask[:1].expand(extra, -1)])
         shared.keep.zero_()
         shared.keep[:, :P] = prompt_mask.bool()
         shared.row.copy_(prompt_row)
@@ -143,21 +147,16 @@ def _prefill(model, input_ids, mask, cache, prefill_chunk_size=None):
     return logits
 
 
-PROMPT_ROWS_MULTIPLE = 8  # --share_prompt_cache: the prompt cache's rows rounded up to this (one captured shape
-# whether a slice's 16 prompts hold 16 distinct ones or, once in a while, 15)
-
-
 def distinct_prompts(input_ids, attention_mask):
     """--share_prompt_cache: (prompt_ids [U, P], prompt_mask [U, P], prompt_row [B]) of the left-padded prompts
-    input_ids [B, P]: each distinct prompt once (GRPO's --num_generations rows of one prompt are one), row b's prompt
-    at prompt_ids[prompt_row[b]]. U is the distinct count rounded up to PROMPT_ROWS_MULTIPLE (at most B), the rows
-    added repeating the first prompt (prefilled, never read)."""
+    input_ids [B, P]: one prompt row per run of consecutive equal rows (GRPO's --num_generations rows of one prompt,
+    which generate_completions' slices keep together), row b's prompt at prompt_ids[prompt_row[b]]. Runs, not every
+    distinct prompt: U stays the slice's count of groups from one rollout to the next (a captured step keeps its
+    shapes) whether or not two groups happen to hold the same prompt."""
     rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)  # [B, 2P]: a prompt is ids and mask
-    distinct, prompt_row = torch.unique(rows, dim=0, return_inverse=True)  # [D, 2P], [B]
-    U = min(len(rows), -(-len(distinct) // PROMPT_ROWS_MULTIPLE) * PROMPT_ROWS_MULTIPLE)
-    distinct = torch.cat([distinct, distinct[:1].expand(U - len(distinct), -1)])
-    P = input_ids.shape[1]
-    return distinct[:, :P], distinct[:, P:].to(attention_mask.dtype), prompt_row
+    starts = torch.ones(len(rows), dtype=torch.bool, device=rows.device)  # [B]: the first row of each run
+    starts[1:] = (rows[1:] != rows[:-1]).any(dim=1)
+    return input_ids[starts], attention_mask[starts], starts.cumsum(dim=0) - 1
 
 
 class SharedPrompt:
@@ -302,7 +301,11 @@ def _decoder(model, batch, cache_len, sampling, step_mode, device, kv_cache_dtyp
     keep = graph or step_mode == "compiled"
     key = (batch, cache_len, sampling, step_mode, kv_cache_dtype, prompt_cache)
     held = model.__dict__.pop("_lean_rl_decoder", None)  # another shape: the old cache is freed before the new one
-    if keep and held is not None and held[0] == key:
+    # a kept SharedPrompt with at least the prompt rows asked for serves (its extra rows filled, never read)
+    fits = held is not None and (held[0] == key or (
+        prompt_cache is not None and held[0][:5] == key[:5] and held[0][5] is not None
+        and held[0][5][1] == prompt_cache[1] and held[0][5][0] >= prompt_cache[0]))
+    if keep and fits:
         model.__dict__["_lean_rl_decoder"] = held
         _, cache, step, shared = held
         cache.reset()  # zeros and position 0: stale keys and values never meet the mask as NaN * 0

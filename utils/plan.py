@@ -259,7 +259,19 @@ def planned_backend(shape, args, engine="single") -> str:
     """The --generation_backend a run of these flags on a GPU uses (`auto` resolved as the scripts do)."""
     kind = "balanced" if args.actor_device == "balanced" else "device"
     return resolve_generation_backend(args.generation_backend, "cuda", kind, engine, args.param_offload,
-                                      args.generation_copy, shape.params, args.kv_cache_dtype)[0]
+                                      args.generation_copy, shape.params, args.kv_cache_dtype,
+                                      args.share_prompt_cache)[0]
+
+
+def prompts_per_slice(args, algo, rows, slice_rows) -> list:
+    """--share_prompt_cache: the distinct prompts of each generation slice of `slice_rows` rows, which it prefills
+    and caches once each. GRPO's rows come in groups of --num_generations consecutive rows of one prompt
+    (train_grpo.py repeat_interleave), and the slices keep each group contiguous and starting at a multiple of the
+    group (generate_completions orders the rows by prompt length with a stable sort, and a group's rows have one
+    length), so the slice from row `start` to `end` holds the groups of its first and last rows and those between:
+    rows / group for slices of whole groups, one prompt for slices within a group. PPO: one row per prompt."""
+    group = args.num_generations if algo == "grpo" else 1
+    return [(min(start + slice_rows, rows) - 1) // group - start // group + 1 for start in range(0, rows, slice_rows)]
 
 
 def _other_gpu(device) -> bool:
@@ -337,6 +349,13 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
                               if args.reward_device == "offload" else reward_state)
     cache_len = T if backend == "hf" else static_cache_len(P, C)  # the static cache is rounded up
     comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape, args.kv_cache_dtype)
+    # --share_prompt_cache (static-cache backends; never with fp8, utils/args.py refuses it): a prompt cache of the
+    # slice's distinct prompts (the slice holding the most) and a completion cache of its rows, each rounded up
+    shared = args.share_prompt_cache and backend != "hf"
+    prompt_rows = max(prompts_per_slice(args, algo, rows, gen_rows)) if shared else gen_rows
+    if shared:
+        comp["generate/kv_cache"] = (prompt_rows * static_cache_len(P, 0) + gen_rows * static_cache_len(0, C)) \
+            * kv_bytes_per_token(shape, args.kv_cache_dtype)
     # --kv_cache_dtype fp8: one layer's keys and values dequantised to bf16 while attention reads them
     comp["generate/kv_dequantised"] = (gen_rows * cache_len * kv_bytes_per_token(shape) // shape.layers
                                        if args.kv_cache_dtype == "fp8" else 0)
@@ -349,7 +368,11 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
         comp["generate/kv_cache"] if backend in CAPTURED_BACKENDS else 0)
     prefill_len = min(args.prefill_chunk_size or P, P)  # prompt positions per prefill forward
     prefill_per_token = shape.hidden * PREFILL_BYTES + shape.inter * PREFILL_INTER_BYTES
-    comp["generate/prefill"] = gen_rows * prefill_len * prefill_per_token + gen_rows * shape.vocab * 8
+    # the prefill's activations, and each row's last-position logits twice in float32 (the LM head's output and the
+    # sampling's scaled copy). --share_prompt_cache prefills the distinct prompts only; their [U, V] logits stay
+    # while the rows' [R, V] gathered copy and its scaled copy are made
+    comp["generate/prefill"] = prompt_rows * prefill_len * prefill_per_token + gen_rows * shape.vocab * 8 + (
+        prompt_rows * shape.vocab * 4 if shared else 0)
     # the static and captured backends allocate the whole cache before the prefill; generate's cache
     # grows from the prompt's keys and values, so its prefill meets only those
     gen_kv = comp["generate/kv_cache"] + comp["generate/prefill"] if backend != "hf" else max(
@@ -738,6 +761,15 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         if lora and backend in CAPTURED_BACKENDS:
             unmeasured.append("LoRA adapters inside a captured decoding step (15 us each assumed)")
     kv = slice_rows * (P + C / 2) * kv_bytes_per_token(shape, args.kv_cache_dtype)
+    # --share_prompt_cache: the prefill over each slice's distinct prompts only (prompt_rows on average), and a
+    # decoding step reads a prompt's keys and values once for its group: its rows read the same blocks, which the
+    # kernel finds in L2 after the first (assumed, not measured)
+    shared = args.share_prompt_cache and backend != "hf"
+    prompts = sum(prompts_per_slice(args, algo, rows, slice_rows)) if shared else rows
+    prompt_rows = prompts / slices if shared else slice_rows
+    if shared:
+        kv = (prompt_rows * P + slice_rows * C / 2) * kv_bytes_per_token(shape, args.kv_cache_dtype)
+        unmeasured.append("--share_prompt_cache's prompt keys read once per group (L2 assumed)")
     if args.kv_cache_dtype == "fp8":  # the codes read, each layer's bf16 keys and values written and read again
         kv += 2 * slice_rows * (P + C / 2) * kv_bytes_per_token(shape)
         unmeasured.append("--kv_cache_dtype fp8's dequantising (assumed at the bandwidth)")
@@ -746,11 +778,11 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         decode_step -= shape.layers * FUSED_LAYER_S
     if backend == "static":
         unmeasured.append("--generation_backend static's step on a GPU (0.45 ms per layer assumed)")
-    prefill = 2 * matmul_params * rows * P / mm
+    prefill = 2 * matmul_params * prompts * P / mm
     chunk = min(args.prefill_chunk_size or P, P)
     if chunk < P:  # --prefill_chunk_size: smaller forwards (a lower matmul rate), one more pass per chunk
         unmeasured.append("--prefill_chunk_size's smaller prefill forwards (counted as micro-batch passes)")
-        whole, part = slice_rows * P, slice_rows * chunk
+        whole, part = prompt_rows * P, prompt_rows * chunk
         prefill *= (part + mb_tokens) / part * whole / (whole + mb_tokens)
         prefill += slices * (-(-P // chunk) - 1) * shape.layers * MB_LAYER_S
     generate = slices * C * decode_step + prefill
@@ -844,6 +876,8 @@ LEVERS = [
     (["--prefill_chunk_size", str(PREFILL_CHUNK)],
      f"the prompts prefilled {PREFILL_CHUNK} positions at a time (smaller prefill activations)",
      lambda a: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
+    (["--share_prompt_cache"], "each prompt's keys and values kept once per generation slice, for all its "
+     "completions", lambda a: not a.share_prompt_cache and a.generation_backend != "hf" and a.kv_cache_dtype != "fp8"),
     (["--kv_cache_dtype", "fp8"], "the rollouts' KV cache in float8 (changes the rollouts' numerics and costs "
      "decoding time; not searched)", lambda a: a.kv_cache_dtype != "fp8" and a.generation_backend != "hf"),
     (["--activation_offload"], "checkpointed layer inputs in pinned CPU memory",
@@ -914,6 +948,13 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
         axis("use_bnb_nested_quant", [True, False])
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
     axis("prefill_chunk_size", [None] + ([PREFILL_CHUNK] if PREFILL_CHUNK < args.max_prompt_length else []))
+    # one copy of each prompt's keys and values per slice: same math, a smaller cache and prefill, where rows share
+    # prompts (GRPO's groups) and the cache is this project's static one (_valid drops it beside the hf axis). Not
+    # where auto resolves to hf (ZeRO-3, FSDP2): the flag would turn that into static, whose GPU speed is not measured
+    static_cache = args.generation_backend != "hf" and not (engine in ("zero3", "fsdp2")
+                                                            and args.generation_backend == "auto")
+    if algo == "grpo" and args.num_generations > 1 and args.kv_cache_dtype != "fp8" and static_cache:
+        axis("share_prompt_cache", [False, True])
     axis("empty_cache_between_phases", [False, True])
     if engine in ("single", "ddp") and args.optim != "paged_adamw_8bit":  # DeepSpeed/FSDP hold the state themselves
         axis("optimizer_offload", [False, True])
@@ -940,6 +981,8 @@ def _valid(a, num_processes=1, engine="single"):
         return False
     if a.generation_copy_in_place and (not a.generation_copy or a.generation_copy_dtype != "bfloat16"
                                        or a.param_offload):
+        return False
+    if a.share_prompt_cache and (a.generation_backend == "hf" or a.kv_cache_dtype == "fp8"):
         return False
     return True
 
@@ -1147,9 +1190,9 @@ def run_planner(args, algo, num_processes, device, is_main=True, explicit=None, 
         raise UsageError(str(e)) from None
     gpu = gpu_of(__import__("torch").cuda.get_device_name(device) if on_gpu else None)
     gpus = owned_gpus(num_processes) if on_gpu else 1
-    if not on_gpu:  # planned for a GPU, run here: no compiling, and the CPU's generate
+    if not on_gpu:  # planned for a GPU, run here: no compiling, and the CPU's generate (--share_prompt_cache: static)
         explicit = (explicit if explicit is not None else _set_flags(args, algo)) | {
-            "torch_compile", "generation_backend", "generation_copy"}
+            "torch_compile", "generation_backend", "generation_copy", "share_prompt_cache"}
     added, reasons, final = plan(shape, args, algo, gpu_bytes, num_processes, parse=lambda f: apply_flags(args, f),
                                  gpus_per_process=gpus, explicit=explicit, gpu=gpu, engine=engine)
     fits = final["peak_reserved"] <= FIT_FRACTION * gpu_bytes
