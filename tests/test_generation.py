@@ -483,6 +483,17 @@ def test_scripts_train_with_the_static_backend(run, tmp_path, script):
     assert len(metrics_of(tmp_path)) == 3
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_trains_with_share_prompt_cache_on_the_static_backend(run, tmp_path, lora):
+    """--share_prompt_cache with --generation_backend auto on a CPU: static (said at start), and the rollouts decode
+    through the shared prompt cache, also through peft's LoRA model (its forward hands the keyword on)."""
+    result = run(["--max_steps", "2", "--share_prompt_cache", "--output_dir", str(tmp_path), "--save_strategy", "no"]
+                 + (["--use_lora"] if lora else []))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--share_prompt_cache needs this project's static cache" in result.stdout + result.stderr
+    assert len(metrics_of(tmp_path)) == 2
+
+
 def _lora_policy(model):
     """LoRA on q/v with B away from zero (a trained adapter's delta is not zero)."""
     from utils.modeling import apply_lora
@@ -1154,3 +1165,16 @@ def test_a_kept_shared_decoder_serves_a_rollout_with_fewer_prompts_without_compi
     assert counters["frames"]["ok"] == frames
     model.__dict__.pop("_lean_rl_decoder")
     assert torch.equal(ours, static_cache_generate(model, ids, mask, 8, 1.0, 1.0, 0, [10**9], pad, greedy=True))
+
+
+def test_share_prompt_cache_through_a_peft_lora_model_gives_the_unshared_tokens():
+    """peft's LoRA model hands the `shared_prompt` keyword on to the attention: its greedy rollout with the shared
+    prompt cache is the unshared one (were the keyword dropped, the steps would not see the prompt)."""
+    model, tokenizer, _, _ = _model_and_prompts()
+    policy = _lora_policy(model)
+    ids, mask = _grouped_prompts(tokenizer, 3)
+    pad = tokenizer.pad_token_id
+    plain = static_cache_generate(policy, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True)
+    shared = static_cache_generate(policy, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True,
+                                   share_prompt_cache=True)
+    assert len({tuple(row) for row in plain.tolist()}) == 4 and torch.equal(shared, plain)
