@@ -762,6 +762,10 @@ def test_share_prompt_cache_keeps_the_greedy_tokens_with_a_smaller_cache_on_gpu(
 
     model, pad, ids, mask = _small_model_and_prompts()
     model = model.to(torch.bfloat16)
+    # left-padded to 128 positions: the caches' 128-position rounding then favours neither (shared: 4 x 128 prompt +
+    # 16 x 128 completion positions; unshared: 16 x 256)
+    ids = torch.cat([torch.full((len(ids), 128 - ids.shape[1]), pad, device="cuda"), ids], dim=1)
+    mask = torch.cat([torch.zeros(len(mask), 128 - mask.shape[1], dtype=mask.dtype, device="cuda"), mask], dim=1)
     ids, mask = ids.repeat_interleave(4, dim=0), mask.repeat_interleave(4, dim=0)
     calls = []
     real = decode_attention.decode_attention_shared
@@ -789,7 +793,7 @@ def test_share_prompt_cache_keeps_the_greedy_tokens_with_a_smaller_cache_on_gpu(
             plain_bytes = sum(t.numel() * t.element_size()
                               for layer in cache.layers for t in (layer.keys, layer.values))
             print(f"\n{step_mode}: the KV cache {shared_bytes / 2**20:.2f} MiB shared, {plain_bytes / 2**20:.2f} not")
-            assert shared_bytes < plain_bytes
+            assert shared_bytes * 16 == plain_bytes * 10
         model.__dict__.pop("_lean_rl_decoder", None)
         _assert_as_greedy(model, these_ids, these_mask, ours, plain, f"{step_mode}, rollout {rollout}", "shared",
                           "unshared")
@@ -801,5 +805,5 @@ def test_grpo_trains_with_share_prompt_cache_on_gpu(run, tmp_path, local_model):
                   "--output_dir", str(tmp_path), "--save_strategy", "no"])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics_of(tmp_path)
-    assert len(rows) == 3 and "compiled" in result.stdout + result.stderr
+    assert len(rows) == 3, result.stderr[-3000:]
     print(f"\n--share_prompt_cache: generate {rows[-1]['time/generate']:.2f} s, step {rows[-1]['time/step']:.2f} s")

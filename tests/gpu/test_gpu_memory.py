@@ -82,10 +82,12 @@ def _assert_offload_phases(ckpt, off, layers, layer_input):
 
 
 def test_activation_offload_on_gpu_same_gradients_less_memory():
-    """Against checkpointing, eager: the same loss and gradients (to the bit on the H100, 2026-12-07, once both ran
-    two steps first: a model's first step there differed from its later ones, 5.2e-3 of q_proj's max in layer 0
-    for checkpointing against itself as for the offload against it; the first calls' choice of kernels, likely),
-    the layers' inputs out of what the forward leaves for the backward, a lower peak in the forward and the step."""
+    """Against checkpointing, eager: the same loss, and gradients as close to checkpointing's as checkpointing's
+    own are to each other (twice its spread, at least 1e-3 of a tensor's max): the GPU's backward is not reproducible
+    to the bit. On an H100 on 2026-12-07 the offload's were once equal to the bit (morning), once 6.1e-3 of layer 0's
+    down_proj max away, with checkpointing 4.4e-3 from itself, each after two warm steps (afternoon); a wrong layer
+    input would be far off (the dropout test's other masks: 1.2). Also the layers' inputs out of what the forward
+    leaves for the backward, a lower peak in the forward and the step."""
     from utils.offload import enable_activation_offload
 
     layers, B, T = 8, 16, 1024
@@ -107,7 +109,7 @@ def test_activation_offload_on_gpu_same_gradients_less_memory():
           f"gradients against checkpointing: {offload_diff:.2e} of the tensor's max ({name}), checkpointing against "
           f"itself {spread:.2e}")
     assert loss_off == pytest.approx(loss_ckpt, rel=1e-5)
-    assert offload_diff < 1e-3, (name, offload_diff, spread)
+    assert offload_diff < max(1e-3, 2 * spread), (name, offload_diff, spread)
     _assert_offload_phases(phases_ckpt, phases_off, layers, B * T * base.config.hidden_size * 4 / GIB)  # float32 stream
     assert peak_off < peak_ckpt
 
