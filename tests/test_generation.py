@@ -1178,3 +1178,42 @@ def test_share_prompt_cache_through_a_peft_lora_model_gives_the_unshared_tokens(
     shared = static_cache_generate(policy, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, greedy=True,
                                    share_prompt_cache=True)
     assert len({tuple(row) for row in plain.tolist()}) == 4 and torch.equal(shared, plain)
+
+
+def test_a_kept_shared_decoder_is_not_reused_for_longer_prompts():
+    """compiled: after a rollout of short prompts (a 128-position prompt cache), prompts of 140 positions need a
+    256-position one: a new decoder, and the unshared cache's greedy tokens."""
+    model, tokenizer, _, _ = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 2)
+    pad = tokenizer.pad_token_id
+    static_cache_generate(model, ids, mask, 6, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled",
+                          share_prompt_cache=True)
+    short = model.__dict__["_lean_rl_decoder"][3]
+    assert short.keep.shape[1] == 128
+    longer = 140 - ids.shape[1]
+    ids = torch.cat([torch.full((len(ids), longer), pad), ids], dim=1)
+    mask = torch.cat([torch.zeros(len(mask), longer, dtype=mask.dtype), mask], dim=1)
+    ours = static_cache_generate(model, ids, mask, 6, 1.0, 1.0, 0, [10**9], pad, greedy=True, step_mode="compiled",
+                                 share_prompt_cache=True)
+    assert model.__dict__["_lean_rl_decoder"][3].keep.shape[1] == 256
+    model.__dict__.pop("_lean_rl_decoder")
+    assert torch.equal(ours, static_cache_generate(model, ids, mask, 6, 1.0, 1.0, 0, [10**9], pad, greedy=True))
+
+
+def test_share_prompt_cache_refuses_sliding_window_layers_and_balanced_placement():
+    """A layer with a sliding window (its window would count from the completion's first position) is refused at the
+    step; --actor_device balanced (the shared prompt's tensors live on one GPU) before any model loads."""
+    from types import SimpleNamespace
+
+    from utils.cli import UsageError
+    from utils.generation import SharedPrompt, packed_gqa_attention
+    from utils.plan import script_args
+
+    query, key = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 16, 8)
+    module = SimpleNamespace(layer_idx=0, num_key_value_groups=2, is_causal=True, training=False)
+    shared = SharedPrompt(None, torch.ones(1, 16, dtype=torch.bool), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        packed_gqa_attention(module, query, key, key, torch.ones(2, 1, 1, 16, dtype=torch.bool), shared_prompt=shared,
+                             sliding_window=4)
+    with pytest.raises(UsageError, match="not yet with --actor_device balanced"):
+        script_args("grpo", ["--share_prompt_cache", "--actor_device", "balanced"])

@@ -264,11 +264,13 @@ def check_memory_args(args, num_processes=1):
     if args.kv_cache_dtype == "fp8" and args.generation_backend == "hf":
         raise UsageError("--kv_cache_dtype fp8 needs this project's static KV cache: use --generation_backend static, "
                          "cudagraph, compiled or auto (transformers' generate keeps its own cache)")
-    if args.share_prompt_cache and (args.generation_backend == "hf" or args.kv_cache_dtype == "fp8"):
+    if args.share_prompt_cache and (args.generation_backend == "hf" or args.kv_cache_dtype == "fp8"
+                                    or args.actor_device == "balanced"):
         raise UsageError("--share_prompt_cache keeps the prompts' keys and values in this project's static KV cache: "
                          + ("use --generation_backend static, cudagraph, compiled or auto (transformers' generate keeps "
                             "its own cache)" if args.generation_backend == "hf" else
-                            "not yet with --kv_cache_dtype fp8 (use one or the other)"))
+                            "not yet with --kv_cache_dtype fp8 (use one or the other)" if args.kv_cache_dtype == "fp8"
+                            else "not yet with --actor_device balanced (the policy's layers on several GPUs)"))
     if args.generation_backend in CAPTURED_BACKENDS:
         moving = ("--param_offload (the offloaded weights are copied to the GPU anew at each rollout)"
                   if args.param_offload and not args.generation_copy else

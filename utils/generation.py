@@ -151,8 +151,9 @@ def distinct_prompts(input_ids, attention_mask):
     """--share_prompt_cache: (prompt_ids [U, P], prompt_mask [U, P], prompt_row [B]) of the left-padded prompts
     input_ids [B, P]: one prompt row per run of consecutive equal rows (GRPO's --num_generations rows of one prompt,
     which generate_completions' slices keep together), row b's prompt at prompt_ids[prompt_row[b]]. Runs, not every
-    distinct prompt: U stays the slice's count of groups from one rollout to the next (a captured step keeps its
-    shapes) whether or not two groups happen to hold the same prompt."""
+    distinct prompt: U is the slice's count of groups from one rollout to the next (a captured step keeps its
+    shapes), two groups of one prompt apart in the slice being two; side by side they are one run, fewer rows,
+    which the kept decoder serves (_decoder)."""
     rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)  # [B, 2P]: a prompt is ids and mask
     starts = torch.ones(len(rows), dtype=torch.bool, device=rows.device)  # [B]: the first row of each run
     starts[1:] = (rows[1:] != rows[:-1]).any(dim=1)
@@ -195,6 +196,9 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
         if q_len != 1 or attention_mask is None or dropout or kwargs.get("softcap") is not None:
             raise ValueError("--share_prompt_cache: a decoding step's attention takes one query token and the "
                              "static cache's mask, without dropout or softcapping")
+        if kwargs.get("sliding_window") is not None:  # the window would count from the completion's first position
+            raise ValueError(f"--share_prompt_cache does not support sliding-window attention (layer "
+                             f"{module.layer_idx} of this model has a window of {kwargs['sliding_window']})")
         layer = shared.cache.layers[module.layer_idx]
         out = shared_prompt_attention(query.reshape(batch, heads // groups, groups, dim), layer.keys, layer.values,
                                       shared.keep, shared.row, key, value, attention_mask[:, 0, 0, :],
@@ -205,7 +209,8 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
             or kwargs.get("softcap") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    packed = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups
+    packed = _as_autocast_casts(query.reshape(batch, heads // groups, groups, dim), key)  # query head h reads
+    # key/value head h // groups
     if decode_attention.usable(packed, key, attention_mask):
         out = decode_attention.decode_attention(packed, key, value, attention_mask[:, 0, 0, :],
                                                 dim ** -0.5 if scaling is None else scaling)
@@ -228,6 +233,7 @@ def shared_prompt_attention(query, prompt_key, prompt_value, prompt_keep, prompt
     place; elsewhere the prompt rows are gathered, laid before the completion's positions and SDPA runs over both:
     the same numbers as the unshared cache's SDPA, whose positions hold the same keys in another order."""
     keep = keep.bool()
+    query = _as_autocast_casts(query, key)
     if decode_attention.usable(query, key, keep[:, None, None, :]) and prompt_key.dtype == query.dtype:
         return decode_attention.decode_attention_shared(query, prompt_key, prompt_value, prompt_keep, prompt_row,
                                                         key, value, keep, scale)
@@ -236,6 +242,17 @@ def shared_prompt_attention(query, prompt_key, prompt_value, prompt_keep, prompt
     keep = torch.cat([prompt_keep[prompt_row], keep], dim=1)
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=keep[:, None, None, :],
                                                             scale=scale)
+
+
+def _as_autocast_casts(query, key):
+    """A float32 query beside bf16 or fp16 keys under CUDA autocast to that dtype (a float32 policy decoding: RoPE's
+    product with float32 cos/sin leaves the query float32, the cache holds the values' dtype, _store_keys_as_values)
+    in the keys' dtype, as autocast casts SDPA's inputs: the decoding kernel can then take the step (it takes one
+    dtype; before 2026-12-07 such steps ran SDPA over every cache position). Anything else as it is."""
+    if (query.dtype == torch.float32 and key.dtype in (torch.bfloat16, torch.float16) and query.is_cuda
+            and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == key.dtype):
+        return query.to(key.dtype)
+    return query
 
 
 @contextmanager

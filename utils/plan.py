@@ -982,7 +982,8 @@ def _valid(a, num_processes=1, engine="single"):
     if a.generation_copy_in_place and (not a.generation_copy or a.generation_copy_dtype != "bfloat16"
                                        or a.param_offload):
         return False
-    if a.share_prompt_cache and (a.generation_backend == "hf" or a.kv_cache_dtype == "fp8"):
+    if a.share_prompt_cache and (a.generation_backend == "hf" or a.kv_cache_dtype == "fp8"
+                                 or a.actor_device == "balanced"):
         return False
     return True
 

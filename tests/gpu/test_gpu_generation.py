@@ -807,3 +807,31 @@ def test_grpo_trains_with_share_prompt_cache_on_gpu(run, tmp_path, local_model):
     rows = metrics_of(tmp_path)
     assert len(rows) == 3, result.stderr[-3000:]
     print(f"\n--share_prompt_cache: generate {rows[-1]['time/generate']:.2f} s, step {rows[-1]['time/step']:.2f} s")
+
+
+@pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
+def test_a_float32_policy_under_autocast_decodes_through_the_kernel_on_gpu(step_mode, monkeypatch):
+    """A float32 model decoding under bf16 autocast (the default numerics without a generation copy): RoPE leaves
+    the query float32 beside the cache's bf16 keys, and the query cast to bf16 (as autocast casts SDPA's inputs)
+    lets the decoding kernel take the step (before 2026-12-07 SDPA took it); the rollout as greedy by the referee
+    (the float32 model's full forward) as SDPA's."""
+    import warnings
+
+    from utils import decode_attention
+    from utils.generation import static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    calls = []
+    real = decode_attention.decode_attention
+    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cuda", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        ours = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                     greedy=True)
+    assert calls and not [w for w in caught if "torch.compile failed" in str(w.message)]
+    model.__dict__.pop("_lean_rl_decoder", None)
+    monkeypatch.setattr(decode_attention, "usable", lambda *a: False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        sdpa = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                     greedy=True)
+    _assert_as_greedy(model, ids, mask, ours, sdpa, f"float32 under autocast, {step_mode}", "kernel", "SDPA")
