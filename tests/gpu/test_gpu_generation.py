@@ -587,33 +587,42 @@ def _assert_as_greedy(referee, ids, mask, ours, theirs, label, ours_name, theirs
     assert ours_gap.mean() <= 2 * theirs_gap.mean() + 0.02 and ours_gap.max() <= 2 * theirs_gap.max() + 0.1
 
 
+@pytest.mark.parametrize("policy", ["bf16", "float32_autocast"])
 @pytest.mark.parametrize("step_mode", ["eager", "cudagraph", "compiled"])
-def test_decode_attention_in_the_decoding_step_keeps_the_greedy_tokens_on_gpu(step_mode, monkeypatch):
+def test_decode_attention_in_the_decoding_step_keeps_the_greedy_tokens_on_gpu(step_mode, policy, monkeypatch):
     """A bf16 model's greedy rollout through the kernel (it is called; compiled: no fallback to the uncompiled
     step) and the same rollout with SDPA forced, each judged by one referee: the model's full forward over
     prompt + completion (SDPA, no cache), where a greedy token should hold the largest logit. A rounding
     difference may flip a near tie and the two rollouts then part ways, so their tokens are not compared one
-    by one; the first token is, and the kernel's rollout must be as greedy by the referee as SDPA's."""
+    by one; the first token is, and the kernel's rollout must be as greedy by the referee as SDPA's.
+    float32_autocast: a float32 model decoding under bf16 autocast (the default numerics without a generation
+    copy), whose query RoPE leaves float32 beside the cache's bf16 keys: cast to bf16 (as autocast casts SDPA's
+    inputs), the kernel takes the step (before 2026-12-07 SDPA took it)."""
     import warnings
+    from contextlib import nullcontext
 
     from utils import decode_attention
     from utils.generation import static_cache_generate
 
     model, pad, ids, mask = _small_model_and_prompts()
-    model = model.to(torch.bfloat16)
+    if policy == "bf16":
+        model = model.to(torch.bfloat16)
+    numerics = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if policy == "float32_autocast" else nullcontext
     calls = []
     real = decode_attention.decode_attention
     monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, numerics():
         warnings.simplefilter("always")
         ours = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
                                      greedy=True)
     assert calls and not [w for w in caught if "torch.compile failed" in str(w.message)]
     model.__dict__.pop("_lean_rl_decoder", None)
     monkeypatch.setattr(decode_attention, "usable", lambda *a: False)
-    sdpa = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode, greedy=True)
+    with numerics():
+        sdpa = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                     greedy=True)
 
-    _assert_as_greedy(model, ids, mask, ours, sdpa, step_mode, "kernel", "SDPA")
+    _assert_as_greedy(model, ids, mask, ours, sdpa, f"{policy}, {step_mode}", "kernel", "SDPA")
 
 
 @pytest.mark.parametrize("prefill", ["fused", "own_products"])
@@ -808,30 +817,3 @@ def test_grpo_trains_with_share_prompt_cache_on_gpu(run, tmp_path, local_model):
     assert len(rows) == 3, result.stderr[-3000:]
     print(f"\n--share_prompt_cache: generate {rows[-1]['time/generate']:.2f} s, step {rows[-1]['time/step']:.2f} s")
 
-
-@pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
-def test_a_float32_policy_under_autocast_decodes_through_the_kernel_on_gpu(step_mode, monkeypatch):
-    """A float32 model decoding under bf16 autocast (the default numerics without a generation copy): RoPE leaves
-    the query float32 beside the cache's bf16 keys, and the query cast to bf16 (as autocast casts SDPA's inputs)
-    lets the decoding kernel take the step (before 2026-12-07 SDPA took it); the rollout as greedy by the referee
-    (the float32 model's full forward) as SDPA's."""
-    import warnings
-
-    from utils import decode_attention
-    from utils.generation import static_cache_generate
-
-    model, pad, ids, mask = _small_model_and_prompts()
-    calls = []
-    real = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
-    with warnings.catch_warnings(record=True) as caught, torch.autocast("cuda", dtype=torch.bfloat16):
-        warnings.simplefilter("always")
-        ours = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
-                                     greedy=True)
-    assert calls and not [w for w in caught if "torch.compile failed" in str(w.message)]
-    model.__dict__.pop("_lean_rl_decoder", None)
-    monkeypatch.setattr(decode_attention, "usable", lambda *a: False)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        sdpa = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
-                                     greedy=True)
-    _assert_as_greedy(model, ids, mask, ours, sdpa, f"float32 under autocast, {step_mode}", "kernel", "SDPA")
