@@ -1,5 +1,7 @@
 """--generation_backend static: the static-KV-cache decoding loop against transformers' generate
 (greedy: the same tokens; sampling: the same distribution), EOS and max length, and a script run."""
+import warnings
+
 import pytest
 import torch
 
@@ -1217,3 +1219,63 @@ def test_share_prompt_cache_refuses_sliding_window_layers_and_balanced_placement
                              sliding_window=4)
     with pytest.raises(UsageError, match="not yet with --actor_device balanced"):
         script_args("grpo", ["--share_prompt_cache", "--actor_device", "balanced"])
+
+
+def test_float32_policy_decoding_products_go_through_float32_mm_and_keep_the_rollout(monkeypatch):
+    """A float32 policy decoding under bf16 autocast: inside the rollout each float32 Linear's decoding products
+    (<= 128 rows, no grad) go to lean_rl::float32_mm from inside the compiled step (here on the CPU, where it takes
+    autocast's way: the GPU's kernel is tested under tests/gpu/); the eager step, the prefill's larger products, a
+    pass with gradients and a pass without autocast keep Linear's own forward, and the forwards are put back after
+    the rollout. Reference: the same rollout without the routing, whose greedy tokens and sampling logprobs it keeps
+    (both take bf16 products of the same bf16-rounded operands)."""
+    from utils import generation, int8
+
+    model, tokenizer, ids, mask = _model_and_prompts()
+    ids, mask = _grouped_prompts(tokenizer, 8)  # 32 rows, 4 distinct prompts (the prefill's > 128 rows)
+    pad = tokenizer.pad_token_id
+    step_mode = "compiled"  # on a CPU: compiled without a CUDA graph
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    with autocast():
+        plain = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                      greedy=True)
+        torch.manual_seed(3)
+        plain_sampled = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                              return_logprobs=True)
+    model.__dict__.pop("_lean_rl_decoder", None)
+    monkeypatch.setattr(generation, "FLOAT32_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(int8, "FLOAT32_KERNEL_MIN_WEIGHTS", 0)  # the toy's matrices are small
+    rows = []
+    real = int8._cast_then_mm
+    monkeypatch.setattr(int8, "_cast_then_mm", lambda x, w, b: rows.append(x.shape[0]) or real(x, w, b))
+    with warnings.catch_warnings(record=True) as caught, autocast():
+        warnings.simplefilter("always")
+        routed = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                       greedy=True)
+        torch.manual_seed(3)
+        routed_sampled = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                               return_logprobs=True)
+    linears = 7 * model.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down a layer, and the LM head
+    assert len(rows) >= 2 * 11 * linears and set(rows) == {ids.shape[0]}  # 11 steps a rollout, 32 rows each
+    assert len({tuple(row) for row in plain.tolist()}) == 4 and torch.equal(routed, plain)
+    assert torch.equal(routed_sampled[0], plain_sampled[0])
+    torch.testing.assert_close(routed_sampled[1], plain_sampled[1], rtol=0, atol=1e-4)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # put back
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]  # compiled: traced, not eager
+    rows.clear()
+    with autocast():
+        eager = static_cache_generate(model, ids, mask, 12, 1.0, 1.0, 0, [10**9], pad, step_mode="eager", greedy=True)
+    assert rows == [] and eager.shape == plain.shape  # (the compiled step rounds otherwise: its own tokens)
+
+    rows.clear()
+    up = model.model.layers[0].mlp.up_proj
+    x = torch.randn(4, up.in_features)
+    with generation.float32_weights_through_kernel(model), autocast():
+        with torch.no_grad():
+            routed_product = up(x)
+            up(torch.randn(129, up.in_features))  # more rows than a decoding step's
+        up(x)  # gradients on: a training pass
+    with generation.float32_weights_through_kernel(model), torch.no_grad():
+        up(x)  # no autocast
+    assert rows == [4]
+    with autocast(), torch.no_grad():
+        assert torch.equal(routed_product, up(x))  # autocast's own product, bit for bit

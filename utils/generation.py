@@ -1,6 +1,7 @@
 """Sampling completions with `generate` and marking where each one ends."""
 
 import copy
+import types
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -74,7 +75,8 @@ def static_cache_generate(model, input_ids, attention_mask, max_new_tokens, temp
     if share_prompt_cache and kv_cache_dtype == "fp8":
         raise ValueError("--share_prompt_cache is not yet implemented with --kv_cache_dtype fp8")
     cache_len = static_cache_len(input_ids.shape[1], max_new_tokens)
-    with packed_gqa_decoding(model, any_implementation=share_prompt_cache):
+    with packed_gqa_decoding(model, any_implementation=share_prompt_cache), \
+            float32_weights_through_kernel(model) if step_mode != "eager" else nullcontext():
         tokens, logprobs = _static_loop(model, input_ids, attention_mask, max_new_tokens,
                                         (temperature, top_k, top_p, greedy), eos_token_ids, pad_token_id, step_mode,
                                         check_every, cache_len, prefill_chunk_size, kv_cache_dtype, share_prompt_cache)
@@ -275,6 +277,45 @@ def packed_gqa_decoding(model, any_implementation=False):
         yield
     finally:
         config._attn_implementation = implementation
+
+
+FLOAT32_KERNEL_DEVICES = ("cuda",)  # where float32_weights_through_kernel applies (tests add "cpu": autocast's way)
+
+
+@contextmanager
+def float32_weights_through_kernel(model):
+    """A float32 policy decoding under bf16 autocast (the default numerics, no --generation_copy): inside the rollout
+    each plain Linear with a float32 weight of at least utils/int8.py's FLOAT32_KERNEL_MIN_WEIGHTS on a CUDA GPU with
+    Triton sends its decoding products (<= KERNEL_MAX_ROWS rows, no grad, bf16 autocast) to lean_rl::float32_mm, which
+    reads the float32 weight in its own kernel instead of autocast's bf16 cast of it at every step, where that was
+    faster at the shape's first call (utils/int8.py gives the measurements). Anything else (the prefill's many rows, a
+    training pass, no autocast) runs Linear's own forward. Put back after the rollout. Used by the compiled and
+    captured decoding steps only (the eager step, --generation_backend static, would pay the op's dispatch at every
+    product of every step: not measured)."""
+    from utils import int8
+
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+              and m.weight.device.type in FLOAT32_KERNEL_DEVICES
+              and m.weight.numel() >= int8.FLOAT32_KERNEL_MIN_WEIGHTS]
+    if layers and "cuda" in {m.weight.device.type for m in layers} and not int8._triton_ready():
+        layers = [m for m in layers if m.weight.device.type != "cuda"]
+    for layer in layers:
+        layer.forward = types.MethodType(_float32_decoding_forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
+def _float32_decoding_forward(self, x):
+    from utils.int8 import KERNEL_MAX_ROWS, float32_weight_linear
+
+    device = x.device.type
+    if (x.numel() // x.shape[-1] <= KERNEL_MAX_ROWS and not torch.is_grad_enabled()
+            and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16):
+        return float32_weight_linear(x, self.weight, self.bias)
+    return torch.nn.Linear.forward(self, x)
 
 
 def _pick(logits, temperature, top_k, top_p, greedy, uniform=None):

@@ -16,6 +16,8 @@ added in a fixed order: deterministic), the split timed per shape at its first c
 first operand (y^T = W x^T), 47 us against 42 for gate/up at 64 rows. The split and the tiles are chosen by
 timing (as Triton's autotuning does), so two processes may choose other ones and round differently.
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +76,84 @@ def int8_linear(x, codes, scale, bias=None):
     else:
         out = F.linear(x, codes.to(x.dtype)) * scale.to(x.dtype)
     return out if bias is None else out + bias.to(x.dtype)
+
+
+# --- a float32 policy's decoding products (utils/generation.py float32_weights_through_kernel) ---
+# Under bf16 autocast without a generation copy, every decoding step casts each float32 weight to bf16 (read 4 bytes
+# a weight, write 2) before cuBLAS reads the cast (2 more). The kernel above reads the float32 weight itself, rounds it
+# to bf16 in registers (as the cast does) and multiplies it with a scale of ones: 4 bytes a weight. Measured at 1.5b's
+# shapes on one H100 (CUDA graph, 2026-12-07, .gpu/fp32_decode_mm.py in benchmarks/results/stop54_h100/), us at 64 /
+# 128 rows, autocast's way against the kernel: gate/up 39.3/40.4 vs 24.6/27.0, down 44.6/47.9 vs 27.0/41.0, LM head
+# 637/645 vs 325/339, but q/o 9.9/10.2 vs 6.9/11.1 and k/v 8.2/8.3 vs 6.8/11.0 (7b: q/o 38/40 vs 22.5/23.9, k/v 12.1/
+# 12.2 vs 12.6/17.4): so each shape takes whichever of autocast's way and the kernel's splits was fastest at its first
+# call (as the split is chosen for int8 codes). The whole 1.5b decoding step with every product through the kernel:
+# 6.97 -> 6.17 ms (H100, 128 rows, compiled; its first rollout 46.8 -> 82.5 s: the kernel's autotuning per shape and
+# split). Matrices under FLOAT32_KERNEL_MIN_WEIGHTS weights (1.5b's k/v, LoRA adapters) keep autocast's way untimed.
+FLOAT32_KERNEL_MIN_WEIGHTS = 1 << 20
+_FLOAT32_CHOICE = {}  # (device, BLOCK_M, N, K) -> (0: autocast's way or the kernel's split of K, bf16 ones [N])
+
+
+def _cast_then_mm(x, weight, bias):
+    """What autocast does with F.linear(x, weight, bias) to bf16: every operand cast to bf16, then one product."""
+    return F.linear(x, weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
+
+
+@torch.library.custom_op("lean_rl::float32_mm", mutates_args=())
+def float32_mm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] (any float dtype; cast to bf16) @ weight [N, K]^T (float32) + bias -> [M, N] bf16: autocast's
+    F.linear to bf16 or, on a CUDA GPU with Triton, the kernel reading the float32 weight, whichever of the two (and
+    of the kernel's splits of K) was faster at the first call of that (device, BLOCK_M, N, K), timed in a CUDA graph.
+    Inside a capture nothing is timed: autocast's way until a call outside one has chosen. The same numbers up to the
+    order of the bf16 products' float32 sums."""
+    x = x.to(torch.bfloat16).contiguous()
+    if not (x.is_cuda and x.shape[0] <= KERNEL_MAX_ROWS and _triton_ready()):
+        return _cast_then_mm(x, weight, bias)
+    n, k = weight.shape
+    key = (x.device, block_rows(x.shape[0]), n, k)
+    if key not in _FLOAT32_CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return _cast_then_mm(x, weight, bias)
+        ones = torch.ones(n, dtype=torch.bfloat16, device=x.device)
+        _FLOAT32_CHOICE[key] = (_fastest_float32_split(x, weight, bias, ones), ones)
+    split, ones = _FLOAT32_CHOICE[key]
+    return _float32_product(x, weight, bias, split, ones)
+
+
+def _fastest_float32_split(x, weight, bias, ones):
+    """0 (autocast's way) or the kernel's split of K, whichever of them one CUDA graph replays fastest. A kernel
+    that fails to build or run here is left out with a warning (autocast's way always stays)."""
+    if not SMS:
+        SMS.append(torch.cuda.get_device_properties(x.device).multi_processor_count)
+    times = {0: _graph_milliseconds(lambda: _cast_then_mm(x, weight, bias))}
+    for split in split_candidates(*weight.shape, SMS[0]):
+        try:
+            times[split] = _graph_milliseconds(lambda: _float32_product(x, weight, bias, split, ones))
+        except Exception as error:  # noqa: BLE001 (Triton's compile and launch errors have no common class)
+            import warnings
+
+            warnings.warn(f"float32 decoding kernel [{weight.shape[0]} x {weight.shape[1]}], split {split}: "
+                          f"{type(error).__name__}: {error}; autocast's product kept for it")
+            break
+    return min(times, key=times.get)
+
+
+@float32_mm.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+
+
+def _float32_product(x, weight, bias, split, ones):
+    """x [M, K] bf16 @ weight [N, K]^T float32 (+ bias) -> [M, N] bf16: split 0 autocast's way, else the kernel."""
+    if split == 0:
+        return _cast_then_mm(x, weight, bias)
+    out = LAUNCH[0](x, weight, ones, split)
+    return out if bias is None else out + bias.to(torch.bfloat16)
+
+
+def float32_weight_linear(x, weight, bias=None):
+    """x [..., K] @ weight [N, K]^T (float32) + bias -> [..., N] bf16 through lean_rl::float32_mm."""
+    rows = x.numel() // x.shape[-1]
+    return float32_mm(x.reshape(rows, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
 _READY = []

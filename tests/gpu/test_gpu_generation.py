@@ -817,3 +817,83 @@ def test_grpo_trains_with_share_prompt_cache_on_gpu(run, tmp_path, local_model):
     assert len(rows) == 3, result.stderr[-3000:]
     print(f"\n--share_prompt_cache: generate {rows[-1]['time/generate']:.2f} s, step {rows[-1]['time/step']:.2f} s")
 
+
+
+QWEN_1_5B_DECODE_MATRICES = {"q/o": (1536, 1536, 2), "k/v": (256, 1536, 2), "gate/up": (8960, 1536, 2),
+                             "down": (1536, 8960, 1)}
+
+
+@pytest.mark.parametrize("rows", [1, 64, 128])
+def test_float32_mm_matches_autocast_at_every_split_and_prints_its_time(rows):
+    """lean_rl::float32_mm (a float32 policy's decoding products, utils/int8.py): the kernel reading float32 weights
+    at every split of K it may choose, against autocast's way (the weight cast to bf16, then F.linear) at 1.5b's and
+    7b's decoding shapes: equal up to the bf16 products' summation order. Each shape's choice and its time beside
+    autocast's are printed, and a decoding step's matrix products summed (printed, not asserted)."""
+    from gpu_fixtures import graph_microseconds as timed
+    from utils import int8
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape, matrices, head in [("1.5b", QWEN_1_5B_DECODE_MATRICES, (151936, 1536)),
+                                  ("7b", QWEN_7B_DECODE_MATRICES, (152064, 3584))]:
+        torch.manual_seed(rows)
+        layers = 28
+        step_ours = step_autocast = 0.0
+        for name, (n, k, count) in {**matrices, "lm_head": (*head, 1 / layers)}.items():
+            weight = torch.randn(n, k, device="cuda") * 0.02
+            bias = torch.randn(n, device="cuda") * 0.02 if name == "k/v" else None  # Qwen2's q/k/v have biases
+            x = torch.randn(rows, k, device="cuda")
+            reference = int8._cast_then_mm(x.to(torch.bfloat16), weight, bias).float()
+            ones = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+            assert int8._triton_ready()
+            for split in int8.split_candidates(n, k, sms):
+                forced = int8._float32_product(x.to(torch.bfloat16), weight, bias, split, ones).float()
+                error = ((forced - reference).norm() / reference.norm()).item()
+                assert error < 1e-2, (shape, name, split, error)
+            ours = int8.float32_weight_linear(x, weight, bias)  # chooses, timed
+            assert ours.dtype == torch.bfloat16 and ((ours.float() - reference).norm() / reference.norm()) < 1e-2
+            chosen = int8._FLOAT32_CHOICE[(int8.block_rows(rows), n, k)][0]
+            t_ours = timed(lambda: int8.float32_weight_linear(x, weight, bias))
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                t_autocast = timed(lambda: torch.nn.functional.linear(x, weight, bias))
+            step_ours, step_autocast = step_ours + layers * count * t_ours, step_autocast + layers * count * t_autocast
+            print(f"\n{shape} rows {rows} {name} [{n} x {k}]: float32_mm {t_ours:.1f} us ("
+                  f"{'autocast' if chosen == 0 else f'kernel, split {chosen}'}), autocast {t_autocast:.1f} us")
+        print(f"{shape} rows {rows}: a decoding step's matrix products: float32_mm {step_ours / 1e3:.2f} ms, "
+              f"autocast {step_autocast / 1e3:.2f} ms")
+
+
+@pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
+def test_float32_policy_decodes_through_the_float32_kernel_and_keeps_the_greedy_tokens_on_gpu(step_mode,
+                                                                                            monkeypatch):
+    """A float32 model's greedy rollout under bf16 autocast with every decoding product through the kernel (the
+    choice forced: the test model's matrices are small) against the same rollout with autocast's products, each
+    judged by one referee (_assert_as_greedy); the kernel is launched, from the captured and compiled steps too."""
+    import warnings
+
+    from utils import generation, int8
+    from utils.generation import static_cache_generate
+
+    model, pad, ids, mask = _small_model_and_prompts()
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    monkeypatch.setattr(generation, "FLOAT32_KERNEL_DEVICES", ())
+    with autocast():
+        theirs = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                       greedy=True)
+    model.__dict__.pop("_lean_rl_decoder", None)
+    monkeypatch.setattr(generation, "FLOAT32_KERNEL_DEVICES", ("cuda",))
+    monkeypatch.setattr(int8, "FLOAT32_KERNEL_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(int8, "_FLOAT32_CHOICE", {})
+    monkeypatch.setattr(int8, "_fastest_float32_split", lambda *a: 1)
+    assert int8._triton_ready()
+    launches = []
+    real = int8.LAUNCH[0]
+    monkeypatch.setitem(int8.LAUNCH, 0, lambda *a: launches.append(a[1].dtype) or real(*a))
+    with warnings.catch_warnings(record=True) as caught, autocast():
+        warnings.simplefilter("always")
+        ours = static_cache_generate(model, ids, mask, 48, 1.0, 1.0, 0, [10**9], pad, step_mode=step_mode,
+                                     greedy=True)
+    assert launches and set(launches) == {torch.float32}
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert {key[1:] for key in int8._FLOAT32_CHOICE} >= {(256, 256), (128, 256), (512, 256), (256, 512)}
+    _assert_as_greedy(model, ids, mask, ours, theirs, f"float32 kernel, {step_mode}", "kernel", "autocast")
