@@ -1279,3 +1279,40 @@ def test_float32_policy_decoding_products_go_through_float32_mm_and_keep_the_rol
     assert rows == [4]
     with autocast(), torch.no_grad():
         assert torch.equal(routed_product, up(x))  # autocast's own product, bit for bit
+
+
+def test_float32_weights_through_kernel_picks_only_plain_float32_linears_and_keeps_autocasts_bias(monkeypatch):
+    """Which layers float32_weights_through_kernel routes, and what a routed one computes: plain float32 Linears on a
+    listed device only (not a bf16 one, not a Linear subclass, not one whose forward someone else replaced, nothing
+    where the device is not listed), a biased one's product equal to autocast's bit for bit (CPU: autocast's way),
+    fp16 autocast not routed, and every forward put back when the rollout raises."""
+    from utils import generation, int8
+
+    monkeypatch.setattr(int8, "FLOAT32_KERNEL_MIN_WEIGHTS", 0)
+    rows = []
+    real = int8._cast_then_mm
+    monkeypatch.setattr(int8, "_cast_then_mm", lambda x, w, b: rows.append(x.shape[0]) or real(x, w, b))
+
+    class Subclass(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 6).to(torch.bfloat16), Subclass(6, 6),
+                                torch.nn.Linear(6, 6))
+    hook = model[3].forward = lambda x: x  # someone else's forward, e.g. an offload hook's
+    x = torch.randn(3, 8)
+    with generation.float32_weights_through_kernel(model):
+        assert not any("forward" in m.__dict__ for m in model[:3])  # CPU not listed (the default): nothing routed
+    monkeypatch.setattr(generation, "FLOAT32_KERNEL_DEVICES", ("cuda", "cpu"))
+    with generation.float32_weights_through_kernel(model):
+        assert "forward" in model[0].__dict__ and not any("forward" in m.__dict__ for m in model[1:3])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            routed = model[0](x)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            model[0](x)  # fp16 autocast: Linear's own forward
+    assert rows == [3] and model[3].__dict__["forward"] is hook and "forward" not in model[0].__dict__
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model[0].bias is not None and torch.equal(routed, model[0](x))
+    with pytest.raises(RuntimeError, match="rollout failed"), generation.float32_weights_through_kernel(model):
+        raise RuntimeError("rollout failed")
+    assert "forward" not in model[0].__dict__ and model[3].__dict__["forward"] is hook

@@ -288,15 +288,16 @@ def float32_weights_through_kernel(model):
     each plain Linear with a float32 weight of at least utils/int8.py's FLOAT32_KERNEL_MIN_WEIGHTS on a CUDA GPU with
     Triton sends its decoding products (<= KERNEL_MAX_ROWS rows, no grad, bf16 autocast) to lean_rl::float32_mm, which
     reads the float32 weight in its own kernel instead of autocast's bf16 cast of it at every step, where that was
-    faster at the shape's first call (utils/int8.py gives the measurements). Anything else (the prefill's many rows, a
-    training pass, no autocast) runs Linear's own forward. Put back after the rollout. Used by the compiled and
+    faster at the shape's first call (utils/int8.py gives the measurements); a prefill of up to KERNEL_MAX_ROWS
+    positions in all too. Anything else (a larger prefill, a training pass, no autocast) runs Linear's own forward. Put back after the rollout. Used by the compiled and
     captured decoding steps only (the eager step, --generation_backend static, would pay the op's dispatch at every
     product of every step: not measured)."""
     from utils import int8
 
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
               and m.weight.device.type in FLOAT32_KERNEL_DEVICES
-              and m.weight.numel() >= int8.FLOAT32_KERNEL_MIN_WEIGHTS]
+              and m.weight.numel() >= int8.FLOAT32_KERNEL_MIN_WEIGHTS
+              and "forward" not in m.__dict__]  # a forward of someone else's (offload, hooks) is left alone
     if layers and "cuda" in {m.weight.device.type for m in layers} and not int8._triton_ready():
         layers = [m for m in layers if m.weight.device.type != "cuda"]
     for layer in layers:

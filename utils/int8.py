@@ -104,19 +104,21 @@ def float32_mm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     F.linear to bf16 or, on a CUDA GPU with Triton, the kernel reading the float32 weight, whichever of the two (and
     of the kernel's splits of K) was faster at the first call of that (device, BLOCK_M, N, K), timed in a CUDA graph.
     Inside a capture nothing is timed: autocast's way until a call outside one has chosen. The same numbers up to the
-    order of the bf16 products' float32 sums."""
+    order of the bf16 products' float32 sums; with a bias, the kernel's product is rounded to bf16 before the bias is
+    added (autocast's cuBLAS adds it before its one rounding: at most one bf16 rounding apart)."""
     x = x.to(torch.bfloat16).contiguous()
     if not (x.is_cuda and x.shape[0] <= KERNEL_MAX_ROWS and _triton_ready()):
         return _cast_then_mm(x, weight, bias)
     n, k = weight.shape
     key = (x.device, block_rows(x.shape[0]), n, k)
-    if key not in _FLOAT32_CHOICE:
-        if torch.cuda.is_current_stream_capturing():
-            return _cast_then_mm(x, weight, bias)
-        ones = torch.ones(n, dtype=torch.bfloat16, device=x.device)
-        _FLOAT32_CHOICE[key] = (_fastest_float32_split(x, weight, bias, ones), ones)
-    split, ones = _FLOAT32_CHOICE[key]
-    return _float32_product(x, weight, bias, split, ones)
+    with torch.cuda.device(x.device):  # the capture check and the timing's streams on x's GPU (not the current one)
+        if key not in _FLOAT32_CHOICE:
+            if torch.cuda.is_current_stream_capturing():
+                return _cast_then_mm(x, weight, bias)
+            ones = torch.ones(n, dtype=torch.bfloat16, device=x.device)
+            _FLOAT32_CHOICE[key] = (_fastest_float32_split(x, weight, bias, ones), ones)
+        split, ones = _FLOAT32_CHOICE[key]
+        return _float32_product(x, weight, bias, split, ones)
 
 
 def _fastest_float32_split(x, weight, bias, ones):
