@@ -289,9 +289,10 @@ def float32_weights_through_kernel(model):
     Triton sends its decoding products (<= KERNEL_MAX_ROWS rows, no grad, bf16 autocast) to lean_rl::float32_mm, which
     reads the float32 weight in its own kernel instead of autocast's bf16 cast of it at every step, where that was
     faster at the shape's first call (utils/int8.py gives the measurements); a prefill of up to KERNEL_MAX_ROWS
-    positions in all too. Anything else (a larger prefill, a training pass, no autocast) runs Linear's own forward. Put back after the rollout. Used by the compiled and
-    captured decoding steps only (the eager step, --generation_backend static, would pay the op's dispatch at every
-    product of every step: not measured)."""
+    positions in all too. Anything else (a larger prefill, a training pass, no autocast) runs Linear's own forward.
+    Put back after the rollout. Used by the compiled and captured decoding steps only (the eager step,
+    --generation_backend static, would pay the op's dispatch at every product of every step: not measured); a layer
+    whose forward was already replaced (an offload hook's) is left alone."""
     from utils import int8
 
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
