@@ -15,8 +15,8 @@ random-weight models from benchmarks/memory.py) with the row's training mode and
 --gpu_memory CARD` alone: the planner's flags, none chosen by hand. Each row's JSON
 (<out>/budget/<row>.json) holds the card, model and mode, the flags the planner chose, its estimated peak
 reserved and step time, the measured peak reserved (max over phases and steps), the median step time
-(steps 2..) and each of those steps (`unsteady` where they differ by more than 30%), completion tokens/s,
-the per-phase times and peak memory, TRL 1.16's figure on the same workload and the row's target (with
+(steps 2..) and each of those steps (`unsteady` where they differ by more than 30%; the printed line then gives
+each phase's time per step), completion tokens/s, the per-phase times (median and per step) and peak memory, TRL 1.16's figure on the same workload and the row's target (with
 `--baseline REV`, also the same row run just before from git revision REV on the same machine: a side-by-side
 before/after, printed and kept in the JSON's `baseline`); budget.md and budget.png (step time against the card's budget, one line per model and
 mode, TRL's points beside) are made from every row's JSON in the folder, so rows run in different
@@ -82,8 +82,10 @@ def reductions(log_text):
 
 
 def phase_figures(result):
-    """A run's time per phase (median s) and peaks per phase (GiB allocated and reserved)."""
+    """A run's time per phase (median s; and each timed step's, which shows the phase an unsteady step was slow in)
+    and peaks per phase (GiB allocated and reserved)."""
     return dict(phases={p: v["time_s"] for p, v in result["phases"].items()},
+                phase_times_s={p: v.get("times_s") for p, v in result["phases"].items()},
                 phase_peaks_gib={p: {"allocated": v["peak_allocated_gib"], "reserved": v["peak_reserved_gib"]}
                                  for p, v in result["phases"].items()})
 
@@ -126,7 +128,9 @@ def run_row(name, steps, cache_dir, out, on_gpu, gpu_name, shape=None, baseline=
         json.dump(row, f, indent=1)
     print(f"[{name}] {row['status']}: {fmt(step, '.2f')} s per step (estimated {fmt(est_s, '.1f')}), peak reserved "
           f"{fmt(measured)} GiB (estimated {fmt(est_gib, '.1f')}) under {card or 'no cap'}; target {target} s: "
-          f"{verdict}" + (f" (unsteady: steps 2.. took {', '.join(f'{t:.2f}' for t in times)} s)" if unsteady else ""),
+          f"{verdict}" + (f" (unsteady: steps 2.. took {', '.join(f'{t:.2f}' for t in times)} s; by phase: "
+                          + ", ".join(f"{p} {' / '.join(f'{t:.2f}' for t in ts)}"
+                                      for p, ts in row["phase_times_s"].items() if ts) + ")" if unsteady else ""),
           flush=True)
     return row
 
@@ -181,7 +185,8 @@ def run_baseline(name, steps, cache_dir, out, folder, sha, shape=None):
     row = json.load(open(path))
     return dict(rev=sha, status=row["status"], step_time_s=row["step_time_s"], step_times_s=row.get("step_times_s"),
                 peak_reserved_gib=row["peak_reserved_gib"], phases=row["phases"],
-                phase_peaks_gib=row.get("phase_peaks_gib"), planner_flags=row["planner_flags"])
+                phase_peaks_gib=row.get("phase_peaks_gib"), phase_times_s=row.get("phase_times_s"),
+                planner_flags=row["planner_flags"])
 
 
 def side_by_side(row):

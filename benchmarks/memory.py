@@ -229,7 +229,8 @@ def summarize(rows):
     peak = lambda key: max(numbers(key)) if numbers(key) else None  # noqa: E731
     seen = [k[5:] for r in rows for k in r if k.startswith("time/") and k != "time/step"]
     names = [p for p in PHASES if p in seen] + sorted(set(seen) - set(PHASES))
-    phases = {p: {"time_s": median(f"time/{p}"), "peak_allocated_gib": peak(f"memory/{p}/peak_allocated_gib"),
+    phases = {p: {"time_s": median(f"time/{p}"), "times_s": numbers(f"time/{p}", timed),  # each timed step's
+                  "peak_allocated_gib": peak(f"memory/{p}/peak_allocated_gib"),
                   "peak_reserved_gib": peak(f"memory/{p}/peak_reserved_gib")} for p in names}
     overall = lambda kind: max((v[kind] for v in phases.values() if v[kind] is not None), default=None)  # noqa: E731
     first = rows[0] if rows else {}

@@ -132,3 +132,24 @@ def test_lever_runs_the_row_without_and_with_it_and_nothing_else_differs(tmp_pat
     with pytest.raises(SystemExit) as exit_info:
         budget.main(["--lever", "--prefill_chunk_size 4", "--out", str(out)])
     assert exit_info.value.code == 2
+
+
+def test_an_unsteady_row_prints_each_phases_time_per_step(tmp_path, capsys, monkeypatch):
+    """A row whose timed steps differ by more than 30% is marked unsteady, its line names each phase's time per timed
+    step (the phase the slow step lost its time in), and the JSON keeps them (phase_times_s)."""
+    log = tmp_path / "log.txt"
+    log.write_text("plan: --share_prompt_cache\nestimated with the plan: peak reserved 9.7 GiB, step 5.5 s\n")
+    phase = lambda times: {"time_s": sum(times) / 2, "times_s": times, "peak_allocated_gib": 1.0,  # noqa: E731
+                           "peak_reserved_gib": 1.0}
+    result = dict(status="ok", log=str(log), peak_reserved_gib=9.44, peak_allocated_gib=9.36, step_time_s=9.30,
+                  step_times_s=[12.93, 5.67], tokens_per_s=8298.0, command="python train_grpo.py",
+                  phases={"generate": phase([2.25, 2.25]), "ref": phase([3.31, 0.63]), "actor_update": phase([7.3, 2.7])})
+    monkeypatch.setattr(budget, "run_config", lambda *a, **k: result)
+    monkeypatch.setattr(budget, "prepare_inputs", lambda *a: ("model", "tokenizer", "data.jsonl"))
+    row = budget.run_row("1.5b_full_12gb", 3, str(tmp_path / "cache"), str(tmp_path / "out"), False, None)
+    assert row["unsteady"] and row["phase_times_s"]["ref"] == [3.31, 0.63]
+    printed = capsys.readouterr().out
+    assert "(unsteady: steps 2.. took 12.93, 5.67 s; by phase: generate 2.25 / 2.25, ref 3.31 / 0.63, " \
+           "actor_update 7.30 / 2.70)" in printed
+    assert json.load(open(tmp_path / "out" / "budget" / "1.5b_full_12gb.json"))["phase_times_s"]["actor_update"] == [
+        7.3, 2.7]

@@ -93,6 +93,7 @@ def test_summarize_gpu_and_cpu_rows():
     assert s["phases"]["generate"]["peak_reserved_gib"] == 13.0 and s["phases"]["ref"]["peak_reserved_gib"] is None
     assert (s["peak_reserved_gib"], s["peak_allocated_gib"]) == (22.0, 20.0)
     assert s["step_time_s"] == 5.0  # median of steps 2..3; step 1 is warm-up
+    assert s["phases"]["actor_update"]["times_s"] == [1.5, 2.5]  # each timed step's, in order
     assert (s["loss"], s["grad_norm"]) == (0.5, 2.0)  # step 1's
     cpu = bench.summarize([{"step": 1, "time/step": 1.0, "time/generate": 0.5, "loss/policy": 0.1}])
     assert cpu["step_time_s"] == 1.0 and cpu["peak_reserved_gib"] is None and cpu["grad_norm"] is None
