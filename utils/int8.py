@@ -111,7 +111,7 @@ def float32_mm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         return _cast_then_mm(x, weight, bias)
     n, k = weight.shape
     key = (x.device, block_rows(x.shape[0]), n, k)
-    with torch.cuda.device(x.device):  # the capture check and the timing's streams on x's GPU (not the current one)
+    with torch.cuda.device(x.device):  # Triton launches, the capture check and the timing on x's GPU (not the current)
         if key not in _FLOAT32_CHOICE:
             if torch.cuda.is_current_stream_capturing():
                 return _cast_then_mm(x, weight, bias)
@@ -256,15 +256,16 @@ def _define_kernel():
         x = x.contiguous()
         n, k = codes.shape
         key = (block_rows(x.shape[0]), n, k)
-        if key not in _SPLITS:
-            if torch.cuda.is_current_stream_capturing():
-                return launch(x, codes, scale, 1)
-            if not SMS:
-                SMS.append(torch.cuda.get_device_properties(x.device).multi_processor_count)
-            candidates = split_candidates(n, k, SMS[0])
-            times = [_graph_milliseconds(lambda: launch(x, codes, scale, split)) for split in candidates]
-            _SPLITS[key] = candidates[times.index(min(times))]
-        return launch(x, codes, scale, _SPLITS[key])
+        with torch.cuda.device(x.device):  # Triton launches, the capture check and the timing on x's GPU
+            if key not in _SPLITS:
+                if torch.cuda.is_current_stream_capturing():
+                    return launch(x, codes, scale, 1)
+                if not SMS:
+                    SMS.append(torch.cuda.get_device_properties(x.device).multi_processor_count)
+                candidates = split_candidates(n, k, SMS[0])
+                times = [_graph_milliseconds(lambda: launch(x, codes, scale, split)) for split in candidates]
+                _SPLITS[key] = candidates[times.index(min(times))]
+            return launch(x, codes, scale, _SPLITS[key])
 
     @int8_mm.register_fake
     def _(x, codes, scale):
