@@ -198,7 +198,8 @@ def _define_kernel():
     @torch.library.custom_op("lean_rl::decode_attention", mutates_args=())
     def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor,
            scale: float) -> torch.Tensor:
-        return launch(query, key, value, keep.view(torch.uint8), scale)  # viewed here: inductor cannot lower it
+        with torch.cuda.device(query.device):  # Triton launches on the current device: make it the query's
+            return launch(query, key, value, keep.view(torch.uint8), scale)  # viewed here: inductor cannot lower it
 
     @op.register_fake
     def _(query, key, value, keep, scale):
@@ -208,8 +209,9 @@ def _define_kernel():
     def shared_op(query: torch.Tensor, prompt_key: torch.Tensor, prompt_value: torch.Tensor, prompt_keep: torch.Tensor,
                   prompt_row: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor,
                   scale: float) -> torch.Tensor:
-        return launch_shared(query, prompt_key, prompt_value, prompt_keep.view(torch.uint8), prompt_row, key, value,
-                             keep.view(torch.uint8), scale)
+        with torch.cuda.device(query.device):
+            return launch_shared(query, prompt_key, prompt_value, prompt_keep.view(torch.uint8), prompt_row, key,
+                                 value, keep.view(torch.uint8), scale)
 
     @shared_op.register_fake
     def _(query, prompt_key, prompt_value, prompt_keep, prompt_row, key, value, keep, scale):
