@@ -286,7 +286,7 @@ def main(argv=None):
 
     from utils import data as data_utils
     from utils import rewards as reward_utils
-    from utils.base import resolve_generation_backend
+    from utils.base import resolve_generation_backend, resolve_share_prompt_cache
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args, quiet_library_warnings, set_cpu_threads
     from utils.completions import CompletionLogger
@@ -379,6 +379,11 @@ def main(argv=None):
     args.generation_backend, backend_reason = resolve_generation_backend(
         args.generation_backend, home.type, placements["actor"].kind, engine, args.param_offload, args.generation_copy,
         sum(p.numel() for p in model.parameters()), args.kv_cache_dtype, args.share_prompt_cache)
+    # --share_prompt_cache unset: on where a group's completions decode in a captured step (one copy of the prompt's
+    # keys and values per group)
+    args.share_prompt_cache, share_reason = resolve_share_prompt_cache(
+        args.share_prompt_cache, args.generation_backend, home.type, args.num_generations, args.kv_cache_dtype,
+        placements["actor"].kind, model.config._attn_implementation, model.config)
     table = [("actor", placements["actor"], True)]
     ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the policy, adapter off
     if args.beta > 0 and args.use_lora:
@@ -448,7 +453,9 @@ def main(argv=None):
               f"{', ' + unwrapped.lean_rl_param_offload.describe() if args.param_offload else ''}), optim {args.optim}, "
               f"rewards: {', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
         print(f"generation: --generation_backend {args.generation_backend}"
-              + (f" (auto: {backend_reason})" if backend_reason else ""))
+              + (f" (auto: {backend_reason})" if backend_reason else "")
+              + f"; --share_prompt_cache {'on' if args.share_prompt_cache else 'off'}"
+              + (f" (auto: {share_reason})" if share_reason else ""))
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
               f"{args.prompts_per_step} prompts x {G} generations per step; per process {local_completions} "
               f"completions in " + (f"micro-batches of <= {args.max_token_len_per_gpu} tokens" if args.use_dynamic_bsz

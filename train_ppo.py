@@ -271,7 +271,7 @@ def main(argv=None):
 
     from utils import data as data_utils
     from utils import rewards as reward_utils
-    from utils.base import resolve_generation_backend
+    from utils.base import resolve_generation_backend, resolve_share_prompt_cache
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args, quiet_library_warnings, set_cpu_threads
     from utils.completions import CompletionLogger
@@ -375,6 +375,10 @@ def main(argv=None):
     args.generation_backend, backend_reason = resolve_generation_backend(
         args.generation_backend, placements["actor"].device.type, placements["actor"].kind, engine, args.param_offload,
         args.generation_copy, sum(p.numel() for p in actor.parameters()), args.kv_cache_dtype, args.share_prompt_cache)
+    # --share_prompt_cache unset: off (each prompt has one completion: nothing to share)
+    args.share_prompt_cache, share_reason = resolve_share_prompt_cache(
+        args.share_prompt_cache, args.generation_backend, placements["actor"].device.type, 1, args.kv_cache_dtype,
+        placements["actor"].kind, actor.config._attn_implementation, actor.config)
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
     use_ref = args.kl_coef > 0 or args.target_kl is not None
@@ -456,7 +460,9 @@ def main(argv=None):
               f"{args.critic_model_name_or_path or 'actor weights + value head'}, rewards: "
               f"{', '.join(n for n, _ in reward_fns)}\n{placement_table(table)}")
         print(f"generation: --generation_backend {args.generation_backend}"
-              + (f" (auto: {backend_reason})" if backend_reason else ""))
+              + (f" (auto: {backend_reason})" if backend_reason else "")
+              + f"; --share_prompt_cache {'on' if args.share_prompt_cache else 'off'}"
+              + (f" (auto: {share_reason})" if share_reason else ""))
         print(f"num_processes={num_processes} device={accelerator.device} mixed_precision={mixed_precision} | "
               f"{args.prompts_per_step} prompts per step; per process {local_size} completions, "
               f"{args.ppo_epochs} epochs x {args.num_mini_batches} mini-batches of {mini_size} in micro-batches of "

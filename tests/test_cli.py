@@ -223,6 +223,20 @@ def test_dash_spellings_and_no_abbreviations():
         parse_args(train_grpo.Args, ["--learning", "1"])
 
 
+def test_a_flag_unset_by_default_takes_true_false_or_stands_bare():
+    """Optional booleans (None: the script decides, e.g. --share_prompt_cache, --use_chat_template): a bare flag is
+    true, as for the plain booleans; true/false as given; unset stays None and is not counted as set."""
+    for argv, want in (([], None), (["--share_prompt_cache"], True), (["--share_prompt_cache", "false"], False),
+                       (["--share_prompt_cache", "true", "--use_lora"], True),
+                       (["--share_prompt_cache", "--use_lora"], True)):
+        args, explicit = parse_args(train_grpo.Args, argv)
+        assert args.share_prompt_cache is want and ("share_prompt_cache" in explicit) == bool(argv), argv
+    args, _ = parse_args(train_grpo.Args, ["--use_chat_template"])
+    assert args.use_chat_template is True
+    with pytest.raises(UsageError, match="share_prompt_cache"):
+        parse_args(train_grpo.Args, ["--share_prompt_cache", "maybe"])
+
+
 def test_negative_numbers_are_values():
     args, _ = parse_args(train_grpo.Args, ["--learning_rate", "-1e-3", "--max_steps", "-1", "--reward_weights",
                                            "1", "-0.5"])

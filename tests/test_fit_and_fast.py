@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from utils import memory
-from utils.base import GIB, resolve_generation_backend
+from utils.base import GIB, resolve_generation_backend, resolve_share_prompt_cache
 
 
 class FakeCuda:
@@ -77,6 +77,32 @@ def test_auto_backend_rule(where, want, reason):
     assert resolve_generation_backend("hf", **where) == ("hf", None)  # a backend the user named stays
 
 
+def test_share_prompt_cache_unset_is_on_only_where_a_captured_step_reads_a_plain_attention():
+    """--share_prompt_cache unset: on for GRPO groups decoding in a captured step on one GPU, over transformers'
+    own configs: a Qwen2 or Llama model; off for one completion per prompt, the static or hf step, a CPU, fp8 keys and
+    values, a balanced policy, flash-attn, and models whose attention the shared step refuses (a sliding window:
+    Qwen2 with use_sliding_window, Mistral; softcapping and windows: Gemma 2). A value the user set stays."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    on = dict(backend="compiled", device_type="cuda", group=8)
+    for config in (Qwen2Config(), LlamaConfig(), None):
+        assert resolve_share_prompt_cache(None, config=config, **on)[0], config
+    assert resolve_share_prompt_cache(None, backend="cudagraph", device_type="cuda", group=2)[0]
+    for change, why in ((dict(group=1), "one completion"), (dict(backend="static"), "not captured"),
+                        (dict(backend="hf"), "not captured"), (dict(device_type="cpu"), "not captured"),
+                        (dict(kv_cache_dtype="fp8"), "fp8"), (dict(actor_kind="balanced"), "several GPUs"),
+                        (dict(attn_implementation="flash_attention_2"), "flash_attention_2 attention"),
+                        (dict(config=Qwen2Config(use_sliding_window=True, max_window_layers=0)), "sliding-window"),
+                        (dict(config=MistralConfig()), "sliding-window"),
+                        (dict(config=Gemma2Config()), "sliding-window")):
+        shared, reason = resolve_share_prompt_cache(None, **dict(on, **change))
+        assert not shared and why in reason, change
+    gemma = Gemma2Config(sliding_window=None, layer_types=["full_attention"] * 26)
+    assert resolve_share_prompt_cache(None, config=gemma, **on) == (False, "the model softcaps its attention")
+    assert resolve_share_prompt_cache(False, **on) == (False, None)
+    assert resolve_share_prompt_cache(True, backend="static", device_type="cpu", group=1) == (True, None)
+
+
 def test_scripts_print_the_backend_auto_chose(run, tmp_path):
     result = run(["--max_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path)])
     assert result.returncode == 0, result.stderr[-2000:]
@@ -85,4 +111,5 @@ def test_scripts_print_the_backend_auto_chose(run, tmp_path):
     named = run(["--max_steps", "1", "--save_strategy", "no", "--generation_backend", "static", "--output_dir",
                  str(tmp_path / "b")], script="train_ppo.py")
     assert named.returncode == 0, named.stderr[-2000:]
-    assert "generation: --generation_backend static\n" in named.stdout
+    assert ("generation: --generation_backend static; --share_prompt_cache off (auto: each prompt has one "
+            "completion)\n") in named.stdout

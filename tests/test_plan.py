@@ -236,7 +236,7 @@ def test_time_model_by_hand_for_one_decoding_step():
     import utils.plan as P
 
     shape = load_shape("qwen2.5-1.5b")
-    args = _workload(["--torch_dtype", "bfloat16", "--generation_backend", "compiled"])
+    args = _workload(["--torch_dtype", "bfloat16", "--generation_backend", "compiled", "--share_prompt_cache", "false"])
     kv = 128 * (256 + 256) * 28 * 2 * 2 * 128 * 2
     step = 28 * P.DECODE_LAYER_S["compiled"] + (shape.params * 2 + kv) / (4.26e12 * P.DECODE_EFF)
     prefill = 2 * (shape.linear_params + shape.vocab * shape.hidden) * 128 * 256 / (7.9e14 * P.MATMUL_EFF)
@@ -311,8 +311,8 @@ def test_unnested_4bit_statistics_against_their_measurements():
             assert grown == pytest.approx(7.03 - 6.75, rel=0.1)
             # --share_prompt_cache held off, as the runs behind this were planned: with it (searched since) a bf16
             # generation copy fits this budget instead, and the float32 statistics' 0.3 GiB no longer do
-            found = search(shape, nested, "grpo", 24 * GIB, explicit={"use_lora", "load_in_4bit", "share_prompt_cache"},
-                           gpu=gpu)
+            found = search(shape, apply_flags(nested, ["--share_prompt_cache", "false"]), "grpo", 24 * GIB,
+                           explicit={"use_lora", "load_in_4bit", "share_prompt_cache"}, gpu=gpu)
             assert not found["args"].use_bnb_nested_quant and "--use_bnb_nested_quant" in found["flags"]
             kept = search(shape, nested, "grpo", 24 * GIB, explicit={"use_lora", "load_in_4bit",
                                                                       "use_bnb_nested_quant"}, gpu=gpu)
@@ -338,16 +338,17 @@ def test_kept_decoder_and_generation_copy_count_in_every_phase_until_emptied():
     bf16 weights through the ref and update phases; --empty_cache_between_phases frees both."""
     shape = load_shape("qwen2.5-1.5b")
     base = estimate(shape, _workload(["--generation_backend", "static"]))
-    kept = estimate(shape, _workload(["--generation_backend", "compiled", "--generation_copy"]))
+    unshared = ["--share_prompt_cache", "false"]  # one cache row per completion (the shared layout: its own tests)
+    kept = estimate(shape, _workload(["--generation_backend", "compiled", "--generation_copy"] + unshared))
     freed = estimate(shape, _workload(["--generation_backend", "compiled", "--generation_copy",
-                                       "--empty_cache_between_phases"]))
+                                       "--empty_cache_between_phases"] + unshared))
     kv = 128 * 768 * 28 * 2 * 2 * 128 * 2  # 256 + 512 tokens: already a multiple of 128
     copy = 1_543_714_304 * 2
     assert kept["components"]["generate/kv_cache"] == kv and kept["components"]["generate/copy"] == copy
     for phase in ("ref", "actor_update"):
         assert kept["phases"][phase] - base["phases"][phase] == kv + copy
         assert freed["phases"][phase] == base["phases"][phase]
-    odd = estimate(shape, _workload(["--generation_backend", "cudagraph", "--max_completion_length", "500"]))
+    odd = estimate(shape, _workload(["--generation_backend", "cudagraph", "--max_completion_length", "500"] + unshared))
     assert odd["components"]["generate/kv_cache"] == 128 * 768 * 28 * 2 * 2 * 128 * 2  # 756 rounds up to 768
 
 
@@ -450,7 +451,7 @@ def test_prefill_chunks_shrink_the_prefill_and_keep_a_tight_card_at_fewer_slices
     shape = load_shape("qwen2.5-7b")
     args = _workload(["--use_lora", "--load_in_4bit", "--use_gradient_checkpointing", "--logprob_chunk_size", "256",
                       "--generation_backend", "compiled", "--empty_cache_between_phases",
-                      "--generation_slice_size", "64"])
+                      "--generation_slice_size", "64", "--share_prompt_cache", "false"])
     per_token = 12 * 3584 + 6 * 18944
     whole, chunked = (estimate(shape, apply_flags(args, f))["components"]["generate/prefill"]
                       for f in ([], ["--prefill_chunk_size", "64"]))
@@ -528,7 +529,8 @@ def test_fp8_kv_cache_counted_by_hand_and_not_searched_yet():
     attention reads them; a slower decoding step (the codes and the dequantised layer move); the search
     leaves it alone (its GPU test has not run)."""
     shape = load_shape("qwen2.5-7b")
-    args = _workload(["--use_lora", "--load_in_4bit", "--generation_backend", "compiled"])
+    args = _workload(["--use_lora", "--load_in_4bit", "--generation_backend", "compiled",
+                      "--share_prompt_cache", "false"])
     fp8 = apply_flags(args, ["--kv_cache_dtype", "fp8"])
     comp, plain = estimate(shape, fp8)["components"], estimate(shape, args)["components"]
     assert comp["generate/kv_cache"] == 128 * 768 * 28 * 2 * 4 * (128 + 4)
@@ -554,7 +556,7 @@ def test_shared_prompt_cache_counted_by_hand():
     per_prompt_token = 12 * config["hidden_size"] + 6 * config["intermediate_size"]
     vocab = config["vocab_size"]
     shape = load_shape("qwen2.5-1.5b")
-    args = _workload(["--generation_backend", "compiled"])
+    args = _workload(["--generation_backend", "compiled", "--share_prompt_cache", "false"])
     shared = apply_flags(args, ["--share_prompt_cache"])
     plain, comp = estimate(shape, args)["components"], estimate(shape, shared)["components"]
     assert plain["generate/kv_cache"] == 128 * 768 * per_position
@@ -610,7 +612,8 @@ def test_shared_prompt_cache_takes_the_prefill_and_the_repeated_prompt_reads_off
     per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
     matmul_rate = gpu["matmul"] * P.MATMUL_EFF
     for extra, slices in (([], 1), (["--generation_slice_size", "32"], 4)):
-        args = _workload(["--use_lora", "--torch_dtype", "bfloat16", "--generation_backend", "compiled"] + extra)
+        args = _workload(["--use_lora", "--torch_dtype", "bfloat16", "--generation_backend", "compiled",
+                          "--share_prompt_cache", "false"] + extra)
         shared = apply_flags(args, ["--share_prompt_cache"])
         before, after = estimate_time(shape, args, gpu=gpu), estimate_time(shape, shared, gpu=gpu)
         prefill_saved = 2 * (shape.linear_params + shape.vocab * shape.hidden) * (128 - 16) * 256 / matmul_rate
@@ -626,13 +629,14 @@ def test_shared_prompt_cache_takes_the_prefill_and_the_repeated_prompt_reads_off
 
 
 def test_the_search_shares_the_prompt_cache_of_grpo_groups_on_static_caches_only():
-    """--auto_memory's plan for the 7b LoRA 24GB row shares the prompt cache and, one slice of 128 rows then holding
-    a 1.5 GiB smaller cache (3.7 GiB) and a prefill 4.2 GiB smaller (0.75), decodes all 128 rows at once with
-    whole-prompt prefills, where without the flag (said false by the user) it took two slices of 64 with chunked
-    prefills: faster. Not searched for PPO (no
-    prompt shared), nor beside --generation_backend hf or --kv_cache_dtype fp8 (the scripts refuse either pair), nor
-    where auto resolves to hf (ZeRO-3: the flag would make it static, unmeasured on a GPU); hf trials drop it
-    (_valid); the user's flag stays as set."""
+    """--auto_memory's plan for the 7b LoRA 24GB row shares the prompt cache (unset, the flag is on for its compiled
+    step: nothing to add) and, one slice of 128 rows then holding a 1.5 GiB smaller cache (3.7 GiB) and a prefill
+    4.2 GiB smaller (0.75), decodes all 128 rows at once with whole-prompt prefills, where without it (said false by
+    the user) it takes two slices of 64 with chunked prefills: faster. Where the step is not captured (the static
+    step of --param_offload) the search may add the flag. Not searched for PPO (no prompt shared), nor beside
+    --generation_backend hf or --kv_cache_dtype fp8 (the scripts refuse either pair), nor where auto resolves to hf
+    (ZeRO-3: the flag would make it static, unmeasured on a GPU); hf trials drop it (_valid); the user's flag stays
+    as set."""
     from utils.plan import _valid, search_space
 
     shape = load_shape("qwen2.5-7b")
@@ -644,7 +648,7 @@ def test_the_search_shares_the_prompt_cache_of_grpo_groups_on_static_caches_only
         return added, final["time"]["step"]
 
     (chosen, step), (without, step_without) = planned([]), planned(["--share_prompt_cache", "false"])
-    assert "--share_prompt_cache" in chosen and "--share_prompt_cache" not in without
+    assert "--share_prompt_cache" not in chosen and "--share_prompt_cache" not in without
     assert "--generation_slice_size" not in chosen and "--prefill_chunk_size" not in chosen
     assert without[without.index("--generation_slice_size") + 1] == "64" and "--prefill_chunk_size" in without
     assert step < step_without

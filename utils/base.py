@@ -115,3 +115,30 @@ def resolve_generation_backend(requested, device_type, actor_kind="device", engi
         return "cudagraph", (f"the policy's weights stay on the GPU; {num_params / 1e6:.0f}M parameters is too small "
                              "for compiling the step (about a minute) to pay off")
     return "compiled", "the policy's weights stay on the GPU: its decoding step compiled and captured"
+
+
+def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_dtype="auto", actor_kind="device",
+                               attn_implementation="sdpa", config=None):
+    """--share_prompt_cache unset (None) -> (on, why): on where rows share a prompt (GRPO's groups of `group` =
+    --num_generations > 1) and the decoding step is captured (`backend` resolved: cudagraph or compiled) on one CUDA
+    GPU, with keys and values in bf16 (not --kv_cache_dtype fp8) and an attention the shared step reads (transformers'
+    sdpa or eager; no sliding window, no softcapping in `config`; the planner passes no config and assumes none). The
+    static step (sharing there not measured on a GPU; the CPU's) keeps it off unless asked for. Same tokens and
+    logprobs up to float rounding; a smaller cache and prefill. A set true/false is returned as is, why None."""
+    if requested is not None:
+        return requested, None
+    layer_types = getattr(config, "layer_types", None) or []
+    window = ("sliding_attention" in layer_types or (getattr(config, "use_sliding_window", True)
+                                                     and getattr(config, "sliding_window", None) is not None))
+    off = ("each prompt has one completion" if group <= 1 else
+           f"the {backend} backend's decoding step is not captured" if backend not in CAPTURED_BACKENDS
+           or device_type != "cuda" else
+           "--kv_cache_dtype fp8" if kv_cache_dtype == "fp8" else
+           "the policy's layers live on several GPUs" if actor_kind == "balanced" else
+           f"the model's {attn_implementation} attention" if attn_implementation not in ("sdpa", "eager") else
+           "the model has sliding-window attention" if window else
+           "the model softcaps its attention" if getattr(config, "attn_logit_softcapping", None) else None)
+    if off:
+        return False, off
+    return True, (f"each of the {group} completions of a prompt reads one copy of its keys and values (a smaller "
+                  "cache, one prefill per prompt)")

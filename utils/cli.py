@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import get_type_hints
+from typing import Optional, get_type_hints
 
 import yaml
 
@@ -242,6 +242,9 @@ def build_parser(args_class) -> argparse.ArgumentParser:
             field = fields[name]
             field.type = hints[name]  # HfArgumentParser narrows Optional[X] in place; start from the hint
             HfArgumentParser._parse_dataclass_field(group, field)
+            if hints[name] == Optional[bool]:  # unset (None: the script decides), true, false, or bare: true
+                action = next(a for a in reversed(parser._actions) if a.dest == name)
+                action.nargs, action.const = "?", True
             placed.add(name)
     aliases = [f"--{trl} = --{ours}" + (" (" + ", ".join(f"{a}: {b}" for a, b in values.items()) + ")" if values else "")
                for trl, (ours, values) in TRL_ALIASES.items() if ours in fields]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from utils.base import (CAPTURED_BACKENDS, GIB, PREFILL_CHUNK, REWARD_BATCH_ROWS, STEP_SLICE, own_gpus, parse_memory,  # noqa: F401
-                        resolve_generation_backend, static_cache_len)
+                        resolve_generation_backend, resolve_share_prompt_cache, static_cache_len)
 
 # the workload shapes (benchmarks/README.md); benchmarks/memory.py builds its models from these
 SHAPES = {
@@ -263,6 +263,16 @@ def planned_backend(shape, args, engine="single") -> str:
                                       args.share_prompt_cache)[0]
 
 
+def planned_share(args, algo, backend) -> bool:
+    """--share_prompt_cache as a run of these flags on a GPU resolves it with `backend` (the resolved
+    --generation_backend; the scripts' utils/base.py resolve_share_prompt_cache), the model's attention assumed
+    one the shared step reads (the planner knows shapes, not sliding windows)."""
+    return resolve_share_prompt_cache(args.share_prompt_cache, backend, "cuda",
+                                      args.num_generations if algo == "grpo" else 1, args.kv_cache_dtype,
+                                      "balanced" if args.actor_device == "balanced" else "device",
+                                      args.attn_implementation)[0]
+
+
 def prompts_per_slice(args, algo, rows, slice_rows) -> list:
     """--share_prompt_cache: the distinct prompts of each generation slice of `slice_rows` rows, which it prefills
     and caches once each. GRPO's rows come in groups of --num_generations consecutive rows of one prompt
@@ -351,7 +361,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape, args.kv_cache_dtype)
     # --share_prompt_cache (static-cache backends; never with fp8, utils/args.py refuses it): a prompt cache of the
     # slice's distinct prompts (the slice holding the most) and a completion cache of its rows, each rounded up
-    shared = args.share_prompt_cache and backend != "hf"
+    shared = planned_share(args, algo, backend) and backend != "hf"
     prompt_rows = max(prompts_per_slice(args, algo, rows, gen_rows)) if shared else gen_rows
     if shared:
         comp["generate/kv_cache"] = (prompt_rows * static_cache_len(P, 0) + gen_rows * static_cache_len(0, C)) \
@@ -764,7 +774,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     # --share_prompt_cache: the prefill over each slice's distinct prompts only (prompt_rows on average), and a
     # decoding step reads a prompt's keys and values once for its group: its rows read the same blocks, which the
     # kernel finds in L2 after the first (assumed, not measured)
-    shared = args.share_prompt_cache and backend != "hf"
+    shared = planned_share(args, algo, backend) and backend != "hf"
     prompts = sum(prompts_per_slice(args, algo, rows, slice_rows)) if shared else rows
     prompt_rows = prompts / slices if shared else slice_rows
     if shared:
@@ -949,12 +959,13 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
     axis("generation_slice_size", [None] + [n for n in (64, 32, 16) if n < rows])
     axis("prefill_chunk_size", [None] + ([PREFILL_CHUNK] if PREFILL_CHUNK < args.max_prompt_length else []))
     # one copy of each prompt's keys and values per slice: same math, a smaller cache and prefill, where rows share
-    # prompts (GRPO's groups) and the cache is this project's static one (_valid drops it beside the hf axis). Not
-    # where auto resolves to hf (ZeRO-3, FSDP2): the flag would turn that into static, whose GPU speed is not measured
+    # prompts (GRPO's groups) and the cache is this project's static one (_valid drops it beside the hf axis). Unset,
+    # the flag is on for the captured steps already (planned_share); true adds the static step (--param_offload's).
+    # Not where auto resolves to hf (ZeRO-3, FSDP2): the flag would turn that into static, unmeasured on a GPU
     static_cache = args.generation_backend != "hf" and not (engine in ("zero3", "fsdp2")
                                                             and args.generation_backend == "auto")
     if algo == "grpo" and args.num_generations > 1 and args.kv_cache_dtype != "fp8" and static_cache:
-        axis("share_prompt_cache", [False, True])
+        axis("share_prompt_cache", [args.share_prompt_cache, True])
     axis("empty_cache_between_phases", [False, True])
     if engine in ("single", "ddp") and args.optim != "paged_adamw_8bit":  # DeepSpeed/FSDP hold the state themselves
         axis("optimizer_offload", [False, True])
@@ -1149,15 +1160,18 @@ def apply_flags(args, flags):
     """A copy of `args` with command-line style `flags` set (`--name value` or a bare `--name`
     for True), and the offload shorthands turned into placements, as the scripts' checks do."""
     import copy
+    from typing import Optional, get_type_hints
 
     args = copy.copy(args)
+    booleans = {name for name, hint in get_type_hints(type(args)).items() if hint in (bool, Optional[bool])}
     i = 0
     while i < len(flags):
         name = flags[i][2:]
         if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             current = getattr(args, name)
             value = flags[i + 1]
-            setattr(args, name, int(value) if isinstance(current, int) and not isinstance(current, bool)
+            setattr(args, name, value.lower() in ("true", "yes", "1") if name in booleans
+                    else int(value) if isinstance(current, int) and not isinstance(current, bool)
                     or (current is None and value.isdigit()) else float(value) if isinstance(current, float)
                     else value)
             i += 2
@@ -1919,6 +1933,24 @@ BUDGET_RUNS += [
                 "--generation_copy --generation_copy_dtype int8 --empty_cache_between_phases "
                 "--per_device_train_batch_size 32").split()),
 ]
+
+
+def _unshared(algo, flags):
+    """A GRPO run measured before --share_prompt_cache was on by default (2026-12-07) that does not name the flag
+    decoded without it: said as a flag (as _then_default says the decoding backend of the runs before auto)."""
+    if algo != "grpo" or "--share_prompt_cache" in flags:
+        return flags
+    return flags + " --share_prompt_cache false" if isinstance(flags, str) else flags + ["--share_prompt_cache", "false"]
+
+
+# every run above ran before then
+MEASURED = [(shape, _unshared("grpo", flags), gib) for shape, flags, gib in MEASURED]
+HELD_OUT = [(shape, _unshared("grpo", flags), gib) for shape, flags, gib in HELD_OUT]
+TIME_SUPERSEDED = {_unshared("grpo", flags): why for flags, why in TIME_SUPERSEDED.items()}  # GRPO runs' flags only
+TIME_FIT = [(shape, algo, _unshared(algo, flags), *rest) for shape, algo, flags, *rest in TIME_FIT]
+TIME_HELD_OUT = [(shape, algo, _unshared(algo, flags), *rest) for shape, algo, flags, *rest in TIME_HELD_OUT]
+for _run in BUDGET_RUNS:
+    _run["flags"] = _unshared(_run["algo"], _run["flags"])
 
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
 # memory as fitted (`time out`), their step time as held out
