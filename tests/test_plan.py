@@ -287,6 +287,29 @@ def test_fused_generation_copy_takes_its_per_layer_saving_off_each_decoding_step
         assert unfused - fused == pytest.approx(512 * 28 * P.FUSED_LAYER_S if fuses else 0.0, abs=1e-12), flags
 
 
+def test_float32_policy_decoding_through_float32_mm_by_hand():
+    """A float32 policy under autocast (no flags) decoding in a captured step: each weight costs FLOAT32_KERNEL_BYTES
+    a step instead of autocast's 8 (read, cast to bf16, read again), i.e. the GPU test's measured kernel time over
+    autocast's (3.59 against 5.07 ms a step's products, 1.5b, 64 rows, H100); 512 steps of one slice, nothing else
+    changed. The static step (no float32_mm), bf16 weights and runs measured before the kernel keep 8."""
+    import utils.plan as P
+
+    assert P.FLOAT32_KERNEL_BYTES == pytest.approx(8 * 3.59 / 5.07)
+    gpu = P.GPUS["h100"]
+    shape = load_shape("qwen2.5-1.5b")
+    for backend in ("compiled", "cudagraph"):
+        args = _workload(["--generation_backend", backend])
+        kernel, autocast = (estimate_time(shape, args, gpu=gpu, float32_kernel=k)["phases"] for k in (True, False))
+        saved = 512 * shape.params * (8 - 8 * 3.59 / 5.07) / (gpu["bandwidth"] * P.DECODE_EFF)
+        assert autocast["generate"] - kernel["generate"] == pytest.approx(saved, rel=1e-9), backend
+        assert {k: v for k, v in kernel.items() if k != "generate"} == {
+            k: v for k, v in autocast.items() if k != "generate"}
+    for flags in (["--generation_backend", "static"], ["--torch_dtype", "bfloat16", "--generation_backend", "compiled"]):
+        args = _workload(flags)
+        assert (estimate_time(shape, args, gpu=gpu, float32_kernel=True)
+                == estimate_time(shape, args, gpu=gpu, float32_kernel=False)), flags
+
+
 def test_unnested_4bit_statistics_against_their_measurements():
     """--use_bnb_nested_quant false, against benchmarks/decode_step.py on one H100 (2026-12-06, 64 rows, the compiled
     step): at 7b the weights 0.28 GiB more (7.03 against 6.75 GiB allocated) and each decoding step 0.90 ms less
@@ -573,12 +596,15 @@ def test_shared_prompt_cache_counted_by_hand():
 
 
 def test_shared_prompt_cache_changes_nothing_where_off_or_where_no_prompt_is_shared():
-    """Off (the default; every measured run), each budget row's estimate is that of its flags with the flag said
-    false. PPO (one completion per prompt) gains nothing: the same cache and time, the prefill's logits one copy more.
-    hf (the scripts refuse the pair; set here past that check) keeps its own cache: the flag changes nothing."""
+    """Off (every GRPO run measured before it became the default says false; PPO's unset resolves off), each budget
+    row's estimate is that of its flags with the flag said false (GRPO runs since, unset, shared: skipped). PPO (one
+    completion per prompt) gains nothing when set: the same cache and time, the prefill's logits one copy more. hf
+    (the scripts refuse the pair; set here past that check) keeps its own cache: the flag changes nothing."""
     for run in BUDGET_RUNS:
         workload = WORKLOAD_GRPO if run["algo"] == "grpo" else WORKLOAD_PPO
         shape, algo = load_shape(run["shape"]), run["algo"]
+        if algo == "grpo" and "--share_prompt_cache" not in run["flags"]:
+            continue
         default, off = (script_args(algo, workload + run["flags"] + extra)
                         for extra in ([], ["--share_prompt_cache", "false"]))
         assert not default.share_prompt_cache and not off.share_prompt_cache

@@ -563,6 +563,13 @@ def int8_decode_eff(rows):
 # --generation_copy --short 400 --long 512, 128 rows, 2026-12-05: 3.84 ms a step unfused, 3.48 fused; the budget row's
 # generate 2.32 -> 2.19 s), assumed the same per layer at other shapes and rows
 FUSED_LAYER_S = 0.013e-3
+# a float32 policy's captured decoding step with its matrix products through utils/int8.py's float32_mm (the float32
+# weight read in the kernel where faster than autocast's cast at the shape's first call): the bytes a weight costs a
+# step, as 8 (autocast: read, cast, read again) scaled by the kernel's time over autocast's for a step's products, 1.5b
+# shape, 64 rows, one H100 (tests/gpu/test_gpu_generation.py test_float32_mm_matches_autocast_at_every_split_and_
+# prints_its_time, 2026-12-07: 3.59 ms against 5.07; 3.17 against 4.89 at one row), assumed at other shapes and rows.
+# Held out: the no-flags row on that H100 estimates generate 3.14 s, ran 3.08 (BUDGET_RUNS)
+FLOAT32_KERNEL_BYTES = 8 * 3.59 / 5.07
 DECODE_LAYER_S = {"compiled": 0.092e-3, "cudagraph": 0.174e-3, "static": 0.45e-3, "hf": 0.91e-3}  # cudagraph: compiled
 # + the difference benchmarks/decode_step.py measured at 1.5b (6.10 - 3.80 ms over 28 layers); static: not measured
 # bitsandbytes 4-bit: dequantising costs DEQUANT_S per weight at every matmul call (decode step,
@@ -660,13 +667,15 @@ def _quant_bits(args):
 
 
 def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, engine="single",
-                  copy_fused=True, logits_fused=True) -> dict:
+                  copy_fused=True, logits_fused=True, float32_kernel=True) -> dict:
     """Seconds per phase of one step after the first (compiles and captures are the first step's), for
     one process on `gpu` (a GPUS entry). Returns {"phases": {phase: s}, "step": s, "unmeasured": [what
     the estimate assumes without a measurement behind it]}. copy_fused=False: as the code was before the
     generation copy's projections were fused (2026-12-05), for the runs measured then. logits_fused=False: as the
     logprobs were computed before utils/ops.py's Function (2026-12-06): every run measured before, to which the
-    fitted constants were fitted (the Function's measured saving, LOGIT_PASSES_SAVED, is taken off the others)."""
+    fitted constants were fitted (the Function's measured saving, LOGIT_PASSES_SAVED, is taken off the others).
+    float32_kernel=False: a float32 policy's captured decoding steps through autocast's bf16 casts, as before
+    utils/int8.py's float32_mm (2026-12-07): every run measured before."""
     gpu = gpu or GPUS["h200"]
     bw, mm, host = gpu["bandwidth"], gpu["matmul"] * MATMUL_EFF, gpu["host"]
     P, C = args.max_prompt_length, args.max_completion_length
@@ -764,7 +773,10 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
         if lora and bits:
             weight_bytes = shape.linear_params * bits / 8 + (shape.params - shape.linear_params) * 2
         else:
-            weight_bytes = shape.params * (8 if fp32_autocast else trained_bytes)  # fp32: read, cast, read again
+            # fp32 under autocast: read, cast, read again (8 bytes a weight); in a captured step on a GPU the
+            # products read the float32 weight in float32_mm where faster (FLOAT32_KERNEL_BYTES)
+            weight_bytes = shape.params * (trained_bytes if not fp32_autocast else FLOAT32_KERNEL_BYTES
+                                           if float32_kernel and backend in CAPTURED_BACKENDS else 8)
         dequant = (shape.linear_params * DECODE_DEQUANT_BYTES[bits] / (bw * DECODE_EFF)
                    - unnested_saving_s(shape, bits, args) if (lora and bits) else 0.0)
         adapter_s = adapters * (ADAPTER_CAPTURED_S if backend in CAPTURED_BACKENDS else ADAPTER_EAGER_S)
@@ -1952,6 +1964,16 @@ TIME_HELD_OUT = [(shape, algo, _unshared(algo, flags), *rest) for shape, algo, f
 for _run in BUDGET_RUNS:
     _run["flags"] = _unshared(_run["algo"], _run["flags"])
 
+BUDGET_RUNS += [
+    # 2026-12-07 (stop 56), one H100 80GB HBM3, held out (4 steps, median of steps 2-4): the no-flags row (float32
+    # weights, the prompt cache shared by default, the decoding products through float32_mm), beside 25f1069 (before
+    # both) on the same machine (`python benchmarks/budget.py --rows 1.5b_no_flags --steps 4 --baseline 25f1069`;
+    # benchmarks/results/stop56_h100/): 7.70 -> 7.11 s, generate 3.68 -> 3.08 s, 58.22 -> 57.52 GiB reserved
+    dict(row="1.5b_no_flags, shared prompt and float32_mm (H100)", shape="qwen2.5-1.5b", algo="grpo",
+         peak_reserved_gib=57.52, step_time_s=7.11, gpu="h100", copy_fused=True, logits_fused=True,
+         float32_kernel=True, flags=[]),
+]
+
 # the runs estimate()'s untied head counted apart from a layer's activations was fitted to: --measured counts their
 # memory as fitted (`time out`), their step time as held out
 HEAD_APART_FIT = {"7b_full_80gb (checkpointed, micro-batches of 32)",
@@ -2131,10 +2153,11 @@ def as_measured(flags=None, row=None):
 def time_as_measured(row=None):
     """estimate_time's keywords for a measured run: its GPU (a BUDGET_RUNS row's gpu, else the H200) and, unless
     its row says copy_fused=True, the generation copy unfused (every run before 2026-12-05); unless it says
-    logits_fused=True, the logprobs as before utils/ops.py's Function (every run before 2026-12-06)."""
+    logits_fused=True, the logprobs as before utils/ops.py's Function (every run before 2026-12-06); unless it says
+    float32_kernel=True, a float32 policy's decoding products through autocast (every run before 2026-12-07)."""
     row = row or {}
     return dict(gpu=GPUS[row.get("gpu", "h200")], copy_fused=row.get("copy_fused", False),
-                logits_fused=row.get("logits_fused", False))
+                logits_fused=row.get("logits_fused", False), float32_kernel=row.get("float32_kernel", False))
 
 
 def measured_rows():
