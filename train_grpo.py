@@ -383,7 +383,8 @@ def main(argv=None):
     # keys and values per group)
     args.share_prompt_cache, share_reason = resolve_share_prompt_cache(
         args.share_prompt_cache, args.generation_backend, home.type, args.num_generations, args.kv_cache_dtype,
-        placements["actor"].kind, model.config._attn_implementation, model.config)
+        placements["actor"].kind, model.config._attn_implementation, model.config,
+        getattr(model, "_supports_attention_backend", False))
     table = [("actor", placements["actor"], True)]
     ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the policy, adapter off
     if args.beta > 0 and args.use_lora:

@@ -378,7 +378,8 @@ def main(argv=None):
     # --share_prompt_cache unset: off (each prompt has one completion: nothing to share)
     args.share_prompt_cache, share_reason = resolve_share_prompt_cache(
         args.share_prompt_cache, args.generation_backend, placements["actor"].device.type, 1, args.kv_cache_dtype,
-        placements["actor"].kind, actor.config._attn_implementation, actor.config)
+        placements["actor"].kind, actor.config._attn_implementation, actor.config,
+        getattr(actor, "_supports_attention_backend", False))
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]
     use_ref = args.kl_coef > 0 or args.target_kl is not None

@@ -203,7 +203,13 @@ def side_by_side(row):
 
 def toggled(flags, lever, on):
     """`flags` (a token list) with the lever's flags set to the lever's values (on) or removed, values included
-    (off). A flag's value is the token after it where that token is not itself a flag."""
+    (off). A flag's value is the token after it where that token is not itself a flag. Off, a flag whose unset value
+    the script decides (an Optional[bool]: --share_prompt_cache is on for GRPO's captured step unset) is said false."""
+    from typing import Optional, get_type_hints
+
+    from utils.args import SharedArgs
+
+    decided = {f"--{name}" for name, hint in get_type_hints(SharedArgs).items() if hint == Optional[bool]}
     def pairs(tokens):
         out, i = [], 0
         while i < len(tokens):
@@ -215,13 +221,14 @@ def toggled(flags, lever, on):
     names = {name for name, _ in pairs(lever)}
     kept = [token for name, value in pairs(flags) if name not in names
             for token in ([name] if value is None else [name, value])]
-    return kept + (list(lever) if on else [])
+    return kept + (list(lever) if on else [token for name, _ in pairs(lever) if name in decided
+                                              for token in (name, "false")])
 
 
 def run_levers(name, levers, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
     """Each lever alone on one row: the flags `--auto_memory` plans for the row (on this GPU, read off the script's
     `--plan`, once), run as explicit flags under the row's cap without the lever and with it (removed from, or added
-    to, the plan; nothing else differs). A flag set already run for this row is not run again (the plan without
+    to, the plan, toggled(); nothing else differs). A flag set already run for this row is not run again (the plan without
     any of the levers is every added lever's "without" side). No `--auto_reduce_micro_batch`: a side that does not
     fit fails as OOM. Returns one record per lever, each written to OUT/levers/ROW__LEVER.json."""
     row_shape, script, mode, card, mode_flags, *_ = ROWS[name]

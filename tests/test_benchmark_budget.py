@@ -101,6 +101,9 @@ def test_toggled_sets_or_removes_a_levers_flags_with_their_values():
         "--prefill_chunk_size", "64", "--optim", "adamw_8bit"]
     assert budget.toggled(["--use_bnb_nested_quant", "false", "--x"], ["--use_bnb_nested_quant", "false"], False) \
         == ["--x"]
+    # unset, the prompt cache is shared in a captured step: the side without the lever says false
+    assert budget.toggled(["--x"], ["--share_prompt_cache"], False) == ["--x", "--share_prompt_cache", "false"]
+    assert budget.toggled(["--x"], ["--share_prompt_cache"], True) == ["--x", "--share_prompt_cache"]
 
 
 def test_lever_runs_the_row_without_and_with_it_and_nothing_else_differs(tmp_path, capsys, monkeypatch):

@@ -80,8 +80,9 @@ def test_auto_backend_rule(where, want, reason):
 def test_share_prompt_cache_unset_is_on_only_where_a_captured_step_reads_a_plain_attention():
     """--share_prompt_cache unset: on for GRPO groups decoding in a captured step on one GPU, over transformers'
     own configs: a Qwen2 or Llama model; off for one completion per prompt, the static or hf step, a CPU, fp8 keys and
-    values, a balanced policy, flash-attn, and models whose attention the shared step refuses (a sliding window:
-    Qwen2 with use_sliding_window, Mistral; softcapping and windows: Gemma 2). A value the user set stays."""
+    values, a balanced policy, flash-attn, a model computing attention in its own code, and models whose attention
+    the shared step refuses (a sliding window: Qwen2 with use_sliding_window, Mistral; softcapping and windows: Gemma
+    2). A value the user set stays."""
     from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     on = dict(backend="compiled", device_type="cuda", group=8)
@@ -94,7 +95,8 @@ def test_share_prompt_cache_unset_is_on_only_where_a_captured_step_reads_a_plain
                         (dict(attn_implementation="flash_attention_2"), "flash_attention_2 attention"),
                         (dict(config=Qwen2Config(use_sliding_window=True, max_window_layers=0)), "sliding-window"),
                         (dict(config=MistralConfig()), "sliding-window"),
-                        (dict(config=Gemma2Config()), "sliding-window")):
+                        (dict(config=Gemma2Config()), "sliding-window"),
+                        (dict(attention_interface=False), "outside transformers' attention interface")):
         shared, reason = resolve_share_prompt_cache(None, **dict(on, **change))
         assert not shared and why in reason, change
     gemma = Gemma2Config(sliding_window=None, layer_types=["full_attention"] * 26)
@@ -107,7 +109,8 @@ def test_scripts_print_the_backend_auto_chose(run, tmp_path):
     result = run(["--max_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path)])
     assert result.returncode == 0, result.stderr[-2000:]
     assert ("generation: --generation_backend hf (auto: the policy is on cpu, not a CUDA GPU (captured steps need "
-            "CUDA graphs))") in result.stdout
+            "CUDA graphs)); --share_prompt_cache off (auto: the hf backend's decoding step is not captured)\n"
+            ) in result.stdout
     named = run(["--max_steps", "1", "--save_strategy", "no", "--generation_backend", "static", "--output_dir",
                  str(tmp_path / "b")], script="train_ppo.py")
     assert named.returncode == 0, named.stderr[-2000:]

@@ -310,6 +310,14 @@ def test_float32_policy_decoding_through_float32_mm_by_hand():
                 == estimate_time(shape, args, gpu=gpu, float32_kernel=False)), flags
 
 
+def test_runs_before_float32_mm_are_timed_through_autocast():
+    """time_as_measured: a run is timed with the float32 kernel only where its row says it ran with it."""
+    rows = {r["row"]: r for r in BUDGET_RUNS}
+    assert time_as_measured()["float32_kernel"] is False
+    assert time_as_measured(rows["1.5b_no_flags, logprob Function (H100)"])["float32_kernel"] is False
+    assert time_as_measured(rows["1.5b_no_flags, shared prompt and float32_mm (H100)"])["float32_kernel"] is True
+
+
 def test_unnested_4bit_statistics_against_their_measurements():
     """--use_bnb_nested_quant false, against benchmarks/decode_step.py on one H100 (2026-12-06, 64 rows, the compiled
     step): at 7b the weights 0.28 GiB more (7.03 against 6.75 GiB allocated) and each decoding step 0.90 ms less
@@ -691,6 +699,13 @@ def test_the_search_shares_the_prompt_cache_of_grpo_groups_on_static_caches_only
     shared = _workload(["--share_prompt_cache"])
     assert _valid(shared) and not _valid(apply_flags(shared, ["--generation_backend", "hf"]))
     assert not _valid(apply_flags(shared, ["--kv_cache_dtype", "fp8"]))
+    # only the flag free: the static step (--param_offload's) gains from setting it; the compiled step shares unset,
+    # so true is not tried there (the same run)
+    for flags, added, considered in ((["--param_offload", "--generation_backend", "static"], ["--share_prompt_cache"],
+                                      2), (["--generation_backend", "compiled"], [], 1)):
+        found = search(load_shape("qwen2.5-1.5b"), _workload(flags), "grpo", 140 * GIB,
+                       _explicit_but("share_prompt_cache"))
+        assert found["flags"] == added and found["considered"] == considered, flags
 
 
 def test_plan_fits_every_budget_and_keeps_the_numerics_where_they_fit():

@@ -118,11 +118,13 @@ def resolve_generation_backend(requested, device_type, actor_kind="device", engi
 
 
 def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_dtype="auto", actor_kind="device",
-                               attn_implementation="sdpa", config=None):
+                               attn_implementation="sdpa", config=None, attention_interface=True):
     """--share_prompt_cache unset (None) -> (on, why): on where rows share a prompt (GRPO's groups of `group` =
     --num_generations > 1) and the decoding step is captured (`backend` resolved: cudagraph or compiled) on one CUDA
-    GPU, with keys and values in bf16 (not --kv_cache_dtype fp8) and an attention the shared step reads (transformers'
-    sdpa or eager; no sliding window, no softcapping in `config`; the planner passes no config and assumes none). The
+    GPU (each process's), with keys and values in bf16 (not --kv_cache_dtype fp8) and an attention the shared step
+    reads: transformers' sdpa or eager called through its attention interface (`attention_interface`: the model
+    class's _supports_attention_backend; remote code that computes attention itself would never see the shared
+    prompt), no sliding window and no softcapping in `config` (the planner passes no config and assumes so). The
     static step (sharing there not measured on a GPU; the CPU's) keeps it off unless asked for. Same tokens and
     logprobs up to float rounding; a smaller cache and prefill. A set true/false is returned as is, why None."""
     if requested is not None:
@@ -136,6 +138,8 @@ def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_
            "--kv_cache_dtype fp8" if kv_cache_dtype == "fp8" else
            "the policy's layers live on several GPUs" if actor_kind == "balanced" else
            f"the model's {attn_implementation} attention" if attn_implementation not in ("sdpa", "eager") else
+           "the model computes its attention outside transformers' attention interface" if not attention_interface
+           else
            "the model has sliding-window attention" if window else
            "the model softcaps its attention" if getattr(config, "attn_logit_softcapping", None) else None)
     if off:

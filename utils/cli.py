@@ -244,7 +244,7 @@ def build_parser(args_class) -> argparse.ArgumentParser:
             HfArgumentParser._parse_dataclass_field(group, field)
             if hints[name] == Optional[bool]:  # unset (None: the script decides), true, false, or bare: true
                 action = next(a for a in reversed(parser._actions) if a.dest == name)
-                action.nargs, action.const = "?", True
+                action.nargs, action.const, action.metavar = "?", True, "BOOL"
             placed.add(name)
     aliases = [f"--{trl} = --{ours}" + (" (" + ", ".join(f"{a}: {b}" for a, b in values.items()) + ")" if values else "")
                for trl, (ours, values) in TRL_ALIASES.items() if ours in fields]

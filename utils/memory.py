@@ -473,7 +473,8 @@ def best_levers(args, algo, num_processes=1, engine="single", count=3):
             continue
         trial = apply_flags(args, flags)
         if trial.param_offload:  # the scripts resolved --generation_backend auto already; moved weights get hf/static
-            trial.generation_backend = "auto"
+            trial.generation_backend = "auto"  # and --share_prompt_cache as unset resolves it there (off on static;
+            trial.share_prompt_cache = None  # a user's explicit true would keep it: the estimate then a little high)
         if not _valid(trial, num_processes, engine):
             continue
         after = estimate(shape, trial, algo, num_processes)["peak_reserved"]

@@ -1040,6 +1040,11 @@ def search(shape, args, algo, gpu_bytes, explicit=frozenset(), num_processes=1, 
                 setattr(trial, name, value)
             if not _valid(trial, num_processes, engine):
                 continue
+            if trial.share_prompt_cache is True and base.share_prompt_cache is None:
+                unset = copy.copy(trial)
+                unset.share_prompt_cache = None
+                if planned_share(unset, algo, planned_backend(shape, unset, engine)):
+                    continue  # unset shares there already: the same run as the axis' first value
             considered += 1
             memory = estimate(shape, trial, algo, num_processes)
             if smallest is None or memory["peak_reserved"] < smallest["memory"]["peak_reserved"]:
@@ -1182,6 +1187,8 @@ def apply_flags(args, flags):
         if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             current = getattr(args, name)
             value = flags[i + 1]
+            if name in booleans and value.lower() not in ("true", "false", "yes", "no", "1", "0"):
+                raise ValueError(f"--{name} takes true or false (got {value!r})")
             setattr(args, name, value.lower() in ("true", "yes", "1") if name in booleans
                     else int(value) if isinstance(current, int) and not isinstance(current, bool)
                     or (current is None and value.isdigit()) else float(value) if isinstance(current, float)

@@ -808,14 +808,20 @@ def test_share_prompt_cache_keeps_the_greedy_tokens_with_a_smaller_cache_on_gpu(
                           "unshared")
 
 
-def test_grpo_trains_with_share_prompt_cache_on_gpu(run, tmp_path, local_model):
+@pytest.mark.parametrize("flag", [["--share_prompt_cache"], []], ids=["set", "default"])
+def test_grpo_trains_with_share_prompt_cache_on_gpu(run, tmp_path, local_model, flag):
+    """Set, or unset (the default: on for GRPO groups in a captured step, here auto's cudagraph or compiled step),
+    the rollouts decode from the shared prompt cache, as the start says."""
     result = run(["--model_name_or_path", local_model, "--max_steps", "3", "--prompts_per_step", "8",
-                  "--num_generations", "4", "--max_completion_length", "32", "--share_prompt_cache",
-                  "--output_dir", str(tmp_path), "--save_strategy", "no"])
+                  "--num_generations", "4", "--max_completion_length", "32", "--output_dir", str(tmp_path),
+                  "--save_strategy", "no"] + flag)
     assert result.returncode == 0, result.stderr[-3000:]
+    said = "--share_prompt_cache on" + ("\n" if flag else " (auto: each of the 4 completions of a prompt")
+    assert said in result.stdout, [line for line in result.stdout.splitlines() if line.startswith("generation:")]
     rows = metrics_of(tmp_path)
     assert len(rows) == 3, result.stderr[-3000:]
-    print(f"\n--share_prompt_cache: generate {rows[-1]['time/generate']:.2f} s, step {rows[-1]['time/step']:.2f} s")
+    print(f"\n--share_prompt_cache ({flag or 'unset'}): generate {rows[-1]['time/generate']:.2f} s, "
+          f"step {rows[-1]['time/step']:.2f} s")
 
 
 
