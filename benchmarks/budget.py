@@ -228,9 +228,9 @@ def toggled(flags, lever, on):
 def run_levers(name, levers, steps, cache_dir, out, on_gpu, gpu_name, shape=None):
     """Each lever alone on one row: the flags `--auto_memory` plans for the row (on this GPU, read off the script's
     `--plan`, once), run as explicit flags under the row's cap without the lever and with it (removed from, or added
-    to, the plan, toggled(); nothing else differs). A flag set already run for this row is not run again (the plan without
-    any of the levers is every added lever's "without" side). No `--auto_reduce_micro_batch`: a side that does not
-    fit fails as OOM. Returns one record per lever, each written to OUT/levers/ROW__LEVER.json."""
+    to, the plan, toggled(); nothing else differs). A flag set already run for this row is not run again (the plan
+    without any of the levers is every added lever's "without" side). No `--auto_reduce_micro_batch`: a side that
+    does not fit fails as OOM. Returns one record per lever, each written to OUT/levers/ROW__LEVER.json."""
     row_shape, script, mode, card, mode_flags, *_ = ROWS[name]
     shape = shape or row_shape
     model_dir, tok_dir, dataset = prepare_inputs(shape, script, steps, cache_dir, on_gpu)

@@ -304,7 +304,8 @@ def test_float32_policy_decoding_through_float32_mm_by_hand():
         assert autocast["generate"] - kernel["generate"] == pytest.approx(saved, rel=1e-9), backend
         assert {k: v for k, v in kernel.items() if k != "generate"} == {
             k: v for k, v in autocast.items() if k != "generate"}
-    for flags in (["--generation_backend", "static"], ["--torch_dtype", "bfloat16", "--generation_backend", "compiled"]):
+    for flags in (["--generation_backend", "static"],
+                  ["--torch_dtype", "bfloat16", "--generation_backend", "compiled"]):
         args = _workload(flags)
         assert (estimate_time(shape, args, gpu=gpu, float32_kernel=True)
                 == estimate_time(shape, args, gpu=gpu, float32_kernel=False)), flags

@@ -1959,7 +1959,8 @@ def _unshared(algo, flags):
     decoded without it: said as a flag (as _then_default says the decoding backend of the runs before auto)."""
     if algo != "grpo" or "--share_prompt_cache" in flags:
         return flags
-    return flags + " --share_prompt_cache false" if isinstance(flags, str) else flags + ["--share_prompt_cache", "false"]
+    off = ["--share_prompt_cache", "false"]
+    return f"{flags} {' '.join(off)}" if isinstance(flags, str) else flags + off
 
 
 # every run above ran before then
