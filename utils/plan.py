@@ -1179,6 +1179,8 @@ def apply_flags(args, flags):
     import copy
     from typing import Optional, get_type_hints
 
+    from transformers.hf_argparser import string_to_bool  # the scripts' parser's reading of a boolean's value
+
     args = copy.copy(args)
     booleans = {name for name, hint in get_type_hints(type(args)).items() if hint in (bool, Optional[bool])}
     i = 0
@@ -1187,9 +1189,7 @@ def apply_flags(args, flags):
         if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             current = getattr(args, name)
             value = flags[i + 1]
-            if name in booleans and value.lower() not in ("true", "false", "yes", "no", "1", "0"):
-                raise ValueError(f"--{name} takes true or false (got {value!r})")
-            setattr(args, name, value.lower() in ("true", "yes", "1") if name in booleans
+            setattr(args, name, string_to_bool(value) if name in booleans
                     else int(value) if isinstance(current, int) and not isinstance(current, bool)
                     or (current is None and value.isdigit()) else float(value) if isinstance(current, float)
                     else value)
