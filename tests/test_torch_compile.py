@@ -24,6 +24,34 @@ def test_compile_repeated_blocks_compiles_each_decoder_layer_in_place():
     assert counters["frames"]["ok"] > frames  # the layers ran through torch.compile
 
 
+def test_compiled_blocks_compile_once_for_every_batch_and_sequence_length():
+    """The layers are compiled with dynamic shapes from their first call: a step's micro-batches and the next
+    steps' longer or shorter sequences (and a smaller last micro-batch) run the same compiled graphs, where
+    torch.compile's default specialised on the first shape and compiled again at each new length and batch size
+    (the second step's reference and update on a GPU), with the same numbers as the eager layers."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from utils.modeling import compile_repeated_blocks
+
+    tokenizer = toy.build_tokenizer()
+    torch.manual_seed(0)
+    eager = toy.build_model(tokenizer)
+    model = copy.deepcopy(eager)
+    compile_repeated_blocks(model)
+    frames = None
+    for rows, length in [(4, 40), (4, 52), (3, 52), (4, 61), (2, 47)]:
+        ids = torch.randint(3, len(tokenizer), (rows, length))
+        for m in (eager, model):
+            m.zero_grad()
+            m(input_ids=ids).logits.float().pow(2).mean().backward()
+        frames = counters["frames"]["total"] if frames is None else frames
+        assert counters["frames"]["total"] == frames, (rows, length)  # nothing compiled after the first shape
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_rollouts_run_the_compiled_blocks_eagerly():
     """Decoding gives each layer its own guards (its KV-cache layer): through the compiled blocks a
     rollout would use up the recompile limit and leave the update uncompiled. The rollout runs them
@@ -33,6 +61,7 @@ def test_rollouts_run_the_compiled_blocks_eagerly():
     from utils.generation import build_generation_config, generate_completions
     from utils.modeling import compile_repeated_blocks
 
+    torch._dynamo.reset()  # compiled code of an earlier test's layers (dynamic shapes) would serve these: no frame
     tokenizer = toy.build_tokenizer()
     model = toy.build_model(tokenizer)
     prompts = torch.randint(3, len(tokenizer), (4, 5))

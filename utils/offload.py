@@ -140,7 +140,7 @@ def enable_activation_offload(model) -> int:
     global _offload_outside_compile, _compiled_layer
     if _compiled_layer is None:
         _offload_outside_compile = torch.compiler.disable(_offload_checkpoint)
-        _compiled_layer = torch.compile(_call_layer)  # as Module.compile: at its first call, dynamic once shapes vary
+        _compiled_layer = torch.compile(_call_layer, dynamic=True)  # as compile_repeated_blocks compiles the layers
     count = 0
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
