@@ -210,6 +210,7 @@ def toggled(flags, lever, on):
     from utils.args import SharedArgs
 
     decided = {f"--{name}" for name, hint in get_type_hints(SharedArgs).items() if hint == Optional[bool]}
+
     def pairs(tokens):
         out, i = [], 0
         while i < len(tokens):
