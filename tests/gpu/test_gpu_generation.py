@@ -866,6 +866,10 @@ def test_float32_mm_matches_autocast_at_every_split_and_prints_its_time(rows):
                   f"{'autocast' if chosen == 0 else f'kernel, split {chosen}'}), autocast {t_autocast:.1f} us")
         print(f"{shape} rows {rows}: a decoding step's matrix products: float32_mm {step_ours / 1e3:.2f} ms, "
               f"autocast {step_autocast / 1e3:.2f} ms")
+    # the tiles autotuning chose for each (BLOCK_M, N, K, SPLIT_K) (which of the 10 configurations ever win: fewer
+    # configurations would shorten the first rollout's autotuning)
+    for key, config in int8.LAUNCH[0].autotuner.cache.items():
+        print(f"autotuned {key[:4]}: {config}")
 
 
 @pytest.mark.parametrize("step_mode", ["cudagraph", "compiled"])
