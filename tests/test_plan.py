@@ -709,6 +709,43 @@ def test_the_search_shares_the_prompt_cache_of_grpo_groups_on_static_caches_only
         assert found["flags"] == added and found["considered"] == considered, flags
 
 
+def test_a_sliding_window_model_is_planned_unshared_as_its_run_resolves_it():
+    """A model whose config has sliding windows or softcapping (read from its config, as a config.json's dict or
+    transformers' config object) is planned as its run resolves --share_prompt_cache unset: off, the whole prompt
+    in every row's cache; the search does not try true (the shared step refuses the window at run time) and the
+    memory advice does not suggest it. Qwen2's own config (use_sliding_window false) stays shareable. A user's true
+    is estimated as set."""
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+
+    from utils.plan import LEVERS, planned_share, search_space
+
+    assert Shape.from_config(Qwen2Config()).unshareable is None
+    assert Shape.from_config(Qwen2Config().to_dict()).unshareable is None
+    for config in (MistralConfig(), MistralConfig().to_dict(), Gemma2Config(), dict(SHAPES["qwen2.5-1.5b"],
+                                                                                   sliding_window=4096)):
+        assert "sliding-window" in Shape.from_config(config).unshareable, config
+    softcapped = Gemma2Config(sliding_window=None, layer_types=["full_attention"] * 26)
+    assert Shape.from_config(softcapped).unshareable == "the model softcaps its attention"
+    plain = load_shape("qwen2.5-1.5b")
+    windowed = Shape.from_config(dict(SHAPES["qwen2.5-1.5b"], sliding_window=4096))
+    assert {f: getattr(plain, f) for f in ("vocab", "hidden", "params")} == {
+        f: getattr(windowed, f) for f in ("vocab", "hidden", "params")}
+    args = _workload(["--generation_backend", "compiled"])
+    assert planned_share(plain, args, "grpo", "compiled") and not planned_share(windowed, args, "grpo", "compiled")
+    explicit = apply_flags(args, ["--share_prompt_cache"])
+    assert planned_share(windowed, explicit, "grpo", "compiled")
+    unshared = apply_flags(args, ["--share_prompt_cache", "false"])
+    for a, b in ((estimate(windowed, args), estimate(plain, unshared)),
+                 (estimate_time(windowed, args), estimate_time(plain, unshared)),
+                 (estimate(windowed, explicit), estimate(plain, args))):
+        assert a == b
+    static = _workload(["--param_offload", "--generation_backend", "static"])
+    names = lambda shape: [name for name, _ in search_space(shape, static, "grpo", frozenset())]  # noqa: E731
+    assert "share_prompt_cache" in names(plain) and "share_prompt_cache" not in names(windowed)
+    share_lever = next(applies for flags, _, applies in LEVERS if flags == ["--share_prompt_cache"])
+    assert share_lever(static, plain) and not share_lever(static, windowed)
+
+
 def test_plan_fits_every_budget_and_keeps_the_numerics_where_they_fit():
     shape = load_shape("qwen2.5-1.5b")
     args, explicit = script_args("grpo", WORKLOAD_GRPO, with_explicit=True)

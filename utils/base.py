@@ -117,6 +117,17 @@ def resolve_generation_backend(requested, device_type, actor_kind="device", engi
     return "compiled", "the policy's weights stay on the GPU: its decoding step compiled and captured"
 
 
+def unshareable_attention(config):
+    """Why the shared prompt's decoding step cannot read the attention of the model `config` describes (a config
+    object or a config.json's dict; None: no config): sliding windows (`layer_types` naming sliding_attention, or
+    `sliding_window` set where `use_sliding_window` is not false) or softcapped logits; None where it can."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    if "sliding_attention" in (get("layer_types") or []) or (
+            get("use_sliding_window", True) and get("sliding_window") is not None):
+        return "the model has sliding-window attention"
+    return "the model softcaps its attention" if get("attn_logit_softcapping") else None
+
+
 def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_dtype="auto", actor_kind="device",
                                attn_implementation="sdpa", config=None, attention_interface=True):
     """--share_prompt_cache unset (None) -> (on, why): on where rows share a prompt (GRPO's groups of `group` =
@@ -129,9 +140,6 @@ def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_
     logprobs up to float rounding; a smaller cache and prefill. A set true/false is returned as is, why None."""
     if requested is not None:
         return requested, None
-    layer_types = getattr(config, "layer_types", None) or []
-    window = ("sliding_attention" in layer_types or (getattr(config, "use_sliding_window", True)
-                                                     and getattr(config, "sliding_window", None) is not None))
     off = ("each prompt has one completion" if group <= 1 else
            f"the {backend} backend's decoding step is not captured" if backend not in CAPTURED_BACKENDS
            or device_type != "cuda" else
@@ -139,9 +147,7 @@ def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_
            "the policy's layers live on several GPUs" if actor_kind == "balanced" else
            f"the model's {attn_implementation} attention" if attn_implementation not in ("sdpa", "eager") else
            "the model computes its attention outside transformers' attention interface" if not attention_interface
-           else
-           "the model has sliding-window attention" if window else
-           "the model softcaps its attention" if getattr(config, "attn_logit_softcapping", None) else None)
+           else unshareable_attention(config))
     if off:
         return False, off
     return True, (f"each of the {group} completions of a prompt reads one copy of its keys and values (a smaller "

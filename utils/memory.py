@@ -469,7 +469,7 @@ def best_levers(args, algo, num_processes=1, engine="single", count=3):
     base = estimate(shape, args, algo, num_processes)["peak_reserved"]
     gains = []
     for flags, why, applies in LEVERS:
-        if not applies(args):
+        if not applies(args, shape):
             continue
         trial = apply_flags(args, flags)
         if trial.param_offload:  # the scripts resolved --generation_backend auto already; moved weights get hf/static

@@ -23,9 +23,11 @@ import math
 import sys
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Optional
 
 from utils.base import (CAPTURED_BACKENDS, GIB, PREFILL_CHUNK, REWARD_BATCH_ROWS, STEP_SLICE, own_gpus, parse_memory,  # noqa: F401
-                        resolve_generation_backend, resolve_share_prompt_cache, static_cache_len)
+                        resolve_generation_backend, resolve_share_prompt_cache, static_cache_len,
+                        unshareable_attention)
 
 # the workload shapes (benchmarks/README.md); benchmarks/memory.py builds its models from these
 SHAPES = {
@@ -93,6 +95,7 @@ class Shape:
     kv_heads: int
     tied: bool
     qkv_bias: bool = True  # Qwen2 has biases on q, k, v; Llama only with attention_bias
+    unshareable: Optional[str] = None  # why --share_prompt_cache's step cannot read its attention (sliding windows)
 
     @classmethod
     def from_config(cls, config):
@@ -100,7 +103,8 @@ class Shape:
         qwen2 = (get("model_type") or "qwen2") == "qwen2"
         return cls(get("vocab_size"), get("hidden_size"), get("intermediate_size"), get("num_hidden_layers"),
                    get("num_attention_heads"), get("num_key_value_heads") or get("num_attention_heads"),
-                   bool(get("tie_word_embeddings", False)), bool(get("attention_bias", qwen2)))
+                   bool(get("tie_word_embeddings", False)), bool(get("attention_bias", qwen2)),
+                   unshareable_attention(config))
 
     @property
     def head_dim(self):
@@ -263,14 +267,16 @@ def planned_backend(shape, args, engine="single") -> str:
                                       args.share_prompt_cache)[0]
 
 
-def planned_share(args, algo, backend) -> bool:
+def planned_share(shape, args, algo, backend) -> bool:
     """--share_prompt_cache as a run of these flags on a GPU resolves it with `backend` (the resolved
-    --generation_backend; the scripts' utils/base.py resolve_share_prompt_cache), the model's attention assumed
-    one the shared step reads (the planner knows shapes, not sliding windows)."""
-    return resolve_share_prompt_cache(args.share_prompt_cache, backend, "cuda",
-                                      args.num_generations if algo == "grpo" else 1, args.kv_cache_dtype,
-                                      "balanced" if args.actor_device == "balanced" else "device",
-                                      args.attn_implementation)[0]
+    --generation_backend; the scripts' utils/base.py resolve_share_prompt_cache): off unset where the model's
+    config has sliding windows or softcapping (`shape.unshareable`), its attention otherwise assumed reached
+    through transformers' attention interface."""
+    on = resolve_share_prompt_cache(args.share_prompt_cache, backend, "cuda",
+                                    args.num_generations if algo == "grpo" else 1, args.kv_cache_dtype,
+                                    "balanced" if args.actor_device == "balanced" else "device",
+                                    args.attn_implementation)[0]
+    return on and (args.share_prompt_cache is not None or shape.unshareable is None)
 
 
 def prompts_per_slice(args, algo, rows, slice_rows) -> list:
@@ -361,7 +367,7 @@ def estimate(shape: Shape, args, algo="grpo", num_processes=1, copy_shares=True,
     comp["generate/kv_cache"] = gen_rows * cache_len * kv_bytes_per_token(shape, args.kv_cache_dtype)
     # --share_prompt_cache (static-cache backends; never with fp8, utils/args.py refuses it): a prompt cache of the
     # slice's distinct prompts (the slice holding the most) and a completion cache of its rows, each rounded up
-    shared = planned_share(args, algo, backend) and backend != "hf"
+    shared = planned_share(shape, args, algo, backend) and backend != "hf"
     prompt_rows = max(prompts_per_slice(args, algo, rows, gen_rows)) if shared else gen_rows
     if shared:
         comp["generate/kv_cache"] = (prompt_rows * static_cache_len(P, 0) + gen_rows * static_cache_len(0, C)) \
@@ -786,7 +792,7 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     # --share_prompt_cache: the prefill over each slice's distinct prompts only (prompt_rows on average), and a
     # decoding step reads a prompt's keys and values once for its group: its rows read the same blocks, which the
     # kernel finds in L2 after the first (assumed, not measured)
-    shared = planned_share(args, algo, backend) and backend != "hf"
+    shared = planned_share(shape, args, algo, backend) and backend != "hf"
     prompts = sum(prompts_per_slice(args, algo, rows, slice_rows)) if shared else rows
     prompt_rows = prompts / slices if shared else slice_rows
     if shared:
@@ -878,39 +884,42 @@ def estimate_time(shape: Shape, args, algo="grpo", num_processes=1, gpu=None, en
     return dict(phases=phases, step=sum(phases.values()), unmeasured=unmeasured, backend=backend)
 
 
-# levers the planner may add, cheapest first: (flags, why, applies?) -- LoRA changes the method, so
+# levers the planner may add, cheapest first: (flags, why, applies(args, shape)?) -- LoRA changes the method, so
 # it is only suggested, never applied
 LEVERS = [
-    (["--logprob_chunk_size", "1024"], "the LM head's logits 1024 tokens at a time", lambda a: not a.logprob_chunk_size),
+    (["--logprob_chunk_size", "1024"], "the LM head's logits 1024 tokens at a time",
+     lambda a, s: not a.logprob_chunk_size),
     (["--use_gradient_checkpointing"], "keep only each layer's input for backward",
-     lambda a: not a.use_gradient_checkpointing),
+     lambda a, s: not a.use_gradient_checkpointing),
     (["--torch_dtype", "bfloat16"], "bf16 weights and gradients (stochastic-rounding optimizer)",
-     lambda a: a.torch_dtype == "float32" and not a.use_lora),
-    (["--optim", "adamw_8bit"], "8-bit optimizer moments", lambda a: a.optim == "adamw_torch"),
+     lambda a, s: a.torch_dtype == "float32" and not a.use_lora),
+    (["--optim", "adamw_8bit"], "8-bit optimizer moments", lambda a, s: a.optim == "adamw_torch"),
     (["--ref_device", "swap"], "the reference in CPU memory, on the GPU for its phase only",
-     lambda a: a.ref_device is None and not a.use_lora),
+     lambda a, s: a.ref_device is None and not a.use_lora),
     (["--ref_device", "offload"], "the reference in CPU memory, streamed layer by layer (slow)",
-     lambda a: a.ref_device in (None, "swap") and not a.use_lora),
+     lambda a, s: a.ref_device in (None, "swap") and not a.use_lora),
     (["--critic_device", "swap"], "the critic and its optimizer state in CPU memory, on the GPU for its values "
-     "and update phases only", lambda a: getattr(a, "critic_device", "none") is None),
+     "and update phases only", lambda a, s: getattr(a, "critic_device", "none") is None),
     (["--optimizer_offload"], "the optimizer state in CPU memory, on the GPU for each optimizer step only",
-     lambda a: not a.optimizer_offload and a.optim != "paged_adamw_8bit"),
+     lambda a, s: not a.optimizer_offload and a.optim != "paged_adamw_8bit"),
     (["--prefill_chunk_size", str(PREFILL_CHUNK)],
      f"the prompts prefilled {PREFILL_CHUNK} positions at a time (smaller prefill activations)",
-     lambda a: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
+     lambda a, s: (a.prefill_chunk_size or 1 << 30) > PREFILL_CHUNK and a.max_prompt_length > PREFILL_CHUNK),
     (["--share_prompt_cache"], "each prompt's keys and values kept once per generation slice, for all its "
-     "completions", lambda a: not a.share_prompt_cache and a.generation_backend != "hf" and a.kv_cache_dtype != "fp8"),
+     "completions", lambda a, s: not a.share_prompt_cache and a.generation_backend != "hf" and a.kv_cache_dtype != "fp8"
+     and s.unshareable is None),
     (["--kv_cache_dtype", "fp8"], "the rollouts' KV cache in float8 (changes the rollouts' numerics and costs "
-     "decoding time; not searched)", lambda a: a.kv_cache_dtype != "fp8" and a.generation_backend != "hf"),
+     "decoding time; not searched)", lambda a, s: a.kv_cache_dtype != "fp8" and a.generation_backend != "hf"),
     (["--activation_offload"], "checkpointed layer inputs in pinned CPU memory",
-     lambda a: a.use_gradient_checkpointing and not a.activation_offload),
-    (["--optim", "adamw_4bit"], "4-bit optimizer moments", lambda a: a.optim in ("adamw_torch", "adamw_8bit")),
+     lambda a, s: a.use_gradient_checkpointing and not a.activation_offload),
+    (["--optim", "adamw_4bit"], "4-bit optimizer moments", lambda a, s: a.optim in ("adamw_torch", "adamw_8bit")),
     (["--use_dynamic_bsz", "--max_token_len_per_gpu", "4096"], "micro-batches of at most 4096 tokens",
-     lambda a: not a.use_dynamic_bsz and a.per_device_train_batch_size * (a.max_prompt_length + a.max_completion_length) > 4096),
+     lambda a, s: not a.use_dynamic_bsz
+     and a.per_device_train_batch_size * (a.max_prompt_length + a.max_completion_length) > 4096),
     (["--generation_slice_size", "32"], "rollouts 32 at a time (smaller KV cache)",
-     lambda a: (a.generation_slice_size or 1 << 30) > 32),
+     lambda a, s: (a.generation_slice_size or 1 << 30) > 32),
     (["--param_offload", "--offload_policy", "embedding,lm_head"], "embeddings and LM head in CPU memory",
-     lambda a: not a.param_offload),
+     lambda a, s: not a.param_offload),
 ]
 
 
@@ -976,7 +985,8 @@ def search_space(shape, args, algo, explicit, num_processes=1, engine="single"):
     # Not where auto resolves to hf (ZeRO-3, FSDP2): the flag would turn that into static, unmeasured on a GPU
     static_cache = args.generation_backend != "hf" and not (engine in ("zero3", "fsdp2")
                                                             and args.generation_backend == "auto")
-    if algo == "grpo" and args.num_generations > 1 and args.kv_cache_dtype != "fp8" and static_cache:
+    if (algo == "grpo" and args.num_generations > 1 and args.kv_cache_dtype != "fp8" and static_cache
+            and shape.unshareable is None):  # a sliding window: the shared step refuses it
         axis("share_prompt_cache", [args.share_prompt_cache, True])
     axis("empty_cache_between_phases", [False, True])
     if engine in ("single", "ddp") and args.optim != "paged_adamw_8bit":  # DeepSpeed/FSDP hold the state themselves
@@ -1043,7 +1053,7 @@ def search(shape, args, algo, gpu_bytes, explicit=frozenset(), num_processes=1, 
             if trial.share_prompt_cache is True and base.share_prompt_cache is None:
                 unset = copy.copy(trial)
                 unset.share_prompt_cache = None
-                if planned_share(unset, algo, planned_backend(shape, unset, engine)):
+                if planned_share(shape, unset, algo, planned_backend(shape, unset, engine)):
                     continue  # unset shares there already: the same run as the axis' first value
             considered += 1
             memory = estimate(shape, trial, algo, num_processes)
@@ -1177,7 +1187,7 @@ def apply_flags(args, flags):
     """A copy of `args` with command-line style `flags` set (`--name value` or a bare `--name`
     for True), and the offload shorthands turned into placements, as the scripts' checks do."""
     import copy
-    from typing import Optional, get_type_hints
+    from typing import get_type_hints
 
     from transformers.hf_argparser import string_to_bool  # the scripts' parser's reading of a boolean's value
 
