@@ -135,9 +135,10 @@ def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_
     GPU (each process's), with keys and values in bf16 (not --kv_cache_dtype fp8) and an attention the shared step
     reads: transformers' sdpa or eager called through its attention interface (`attention_interface`: the model
     class's _supports_attention_backend; remote code that computes attention itself would never see the shared
-    prompt), no sliding window and no softcapping in `config` (the planner passes no config and assumes so). The
-    static step (sharing there not measured on a GPU; the CPU's) keeps it off unless asked for. Same tokens and
-    logprobs up to float rounding; a smaller cache and prefill. A set true/false is returned as is, why None."""
+    prompt), no sliding window and no softcapping in `config` (unshareable_attention; the planner reads the same
+    from the model's config into its Shape). The static step (sharing there not measured on a GPU; the CPU's) keeps
+    it off unless asked for. Same tokens and logprobs up to float rounding; a smaller cache and prefill. A set
+    true/false is returned as is, why None."""
     if requested is not None:
         return requested, None
     off = ("each prompt has one completion" if group <= 1 else
