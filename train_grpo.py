@@ -286,7 +286,7 @@ def main(argv=None):
 
     from utils import data as data_utils
     from utils import rewards as reward_utils
-    from utils.base import resolve_generation_backend, resolve_share_prompt_cache
+    from utils.base import resolve_generation_backend, resolve_share_prompt_cache, unshareable_attention
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args, quiet_library_warnings, set_cpu_threads
     from utils.completions import CompletionLogger
@@ -383,7 +383,7 @@ def main(argv=None):
     # keys and values per group)
     args.share_prompt_cache, share_reason = resolve_share_prompt_cache(
         args.share_prompt_cache, args.generation_backend, home.type, args.num_generations, args.kv_cache_dtype,
-        placements["actor"].kind, model.config._attn_implementation, model.config,
+        placements["actor"].kind, model.config._attn_implementation, unshareable_attention(model.config),
         getattr(model, "_supports_attention_backend", False))
     table = [("actor", placements["actor"], True)]
     ref_model = None  # the frozen initial policy, for the KL penalty; with LoRA: the policy, adapter off

@@ -271,7 +271,7 @@ def main(argv=None):
 
     from utils import data as data_utils
     from utils import rewards as reward_utils
-    from utils.base import resolve_generation_backend, resolve_share_prompt_cache
+    from utils.base import resolve_generation_backend, resolve_share_prompt_cache, unshareable_attention
     from utils.checkpoint import Checkpointer, resolve_resume
     from utils.cli import UsageError, fail, parse_args, quiet_library_warnings, set_cpu_threads
     from utils.completions import CompletionLogger
@@ -378,7 +378,7 @@ def main(argv=None):
     # --share_prompt_cache unset: off (each prompt has one completion: nothing to share)
     args.share_prompt_cache, share_reason = resolve_share_prompt_cache(
         args.share_prompt_cache, args.generation_backend, placements["actor"].device.type, 1, args.kv_cache_dtype,
-        placements["actor"].kind, actor.config._attn_implementation, actor.config,
+        placements["actor"].kind, actor.config._attn_implementation, unshareable_attention(actor.config),
         getattr(actor, "_supports_attention_backend", False))
     home = placements["actor"].device  # rollout tensors live with the actor's inputs
     table = [("actor", placements["actor"], True), ("critic", placements["critic"], True)]

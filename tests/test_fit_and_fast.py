@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from utils import memory
-from utils.base import GIB, resolve_generation_backend, resolve_share_prompt_cache
+from utils.base import GIB, resolve_generation_backend, resolve_share_prompt_cache, unshareable_attention
 
 
 class FakeCuda:
@@ -87,20 +87,22 @@ def test_share_prompt_cache_unset_is_on_only_where_a_captured_step_reads_a_plain
 
     on = dict(backend="compiled", device_type="cuda", group=8)
     for config in (Qwen2Config(), LlamaConfig(), None):
-        assert resolve_share_prompt_cache(None, config=config, **on)[0], config
+        assert resolve_share_prompt_cache(None, unshareable=unshareable_attention(config), **on)[0], config
     assert resolve_share_prompt_cache(None, backend="cudagraph", device_type="cuda", group=2)[0]
     for change, why in ((dict(group=1), "one completion"), (dict(backend="static"), "not captured"),
                         (dict(backend="hf"), "not captured"), (dict(device_type="cpu"), "not captured"),
                         (dict(kv_cache_dtype="fp8"), "fp8"), (dict(actor_kind="balanced"), "several GPUs"),
                         (dict(attn_implementation="flash_attention_2"), "flash_attention_2 attention"),
-                        (dict(config=Qwen2Config(use_sliding_window=True, max_window_layers=0)), "sliding-window"),
-                        (dict(config=MistralConfig()), "sliding-window"),
-                        (dict(config=Gemma2Config()), "sliding-window"),
+                        (dict(unshareable=unshareable_attention(Qwen2Config(use_sliding_window=True,
+                                                                            max_window_layers=0))), "sliding-window"),
+                        (dict(unshareable=unshareable_attention(MistralConfig())), "sliding-window"),
+                        (dict(unshareable=unshareable_attention(Gemma2Config())), "sliding-window"),
                         (dict(attention_interface=False), "outside transformers' attention interface")):
         shared, reason = resolve_share_prompt_cache(None, **dict(on, **change))
         assert not shared and why in reason, change
     gemma = Gemma2Config(sliding_window=None, layer_types=["full_attention"] * 26)
-    assert resolve_share_prompt_cache(None, config=gemma, **on) == (False, "the model softcaps its attention")
+    assert resolve_share_prompt_cache(None, unshareable=unshareable_attention(gemma), **on) == (
+        False, "the model softcaps its attention")
     assert resolve_share_prompt_cache(False, **on) == (False, None)
     assert resolve_share_prompt_cache(True, backend="static", device_type="cpu", group=1) == (True, None)
 

@@ -129,16 +129,16 @@ def unshareable_attention(config):
 
 
 def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_dtype="auto", actor_kind="device",
-                               attn_implementation="sdpa", config=None, attention_interface=True):
+                               attn_implementation="sdpa", unshareable=None, attention_interface=True):
     """--share_prompt_cache unset (None) -> (on, why): on where rows share a prompt (GRPO's groups of `group` =
     --num_generations > 1) and the decoding step is captured (`backend` resolved: cudagraph or compiled) on one CUDA
     GPU (each process's), with keys and values in bf16 (not --kv_cache_dtype fp8) and an attention the shared step
     reads: transformers' sdpa or eager called through its attention interface (`attention_interface`: the model
     class's _supports_attention_backend; remote code that computes attention itself would never see the shared
-    prompt), no sliding window and no softcapping in `config` (unshareable_attention; the planner reads the same
-    from the model's config into its Shape). The static step (sharing there not measured on a GPU; the CPU's) keeps
-    it off unless asked for. Same tokens and logprobs up to float rounding; a smaller cache and prefill. A set
-    true/false is returned as is, why None."""
+    prompt), no sliding window and no softcapping (`unshareable`: unshareable_attention of the model's config, as
+    the scripts read it and the planner's Shape keeps it). The static step (sharing there not measured on a GPU; the
+    CPU's) keeps it off unless asked for. Same tokens and logprobs up to float rounding; a smaller cache and prefill.
+    A set true/false is returned as is, why None."""
     if requested is not None:
         return requested, None
     off = ("each prompt has one completion" if group <= 1 else
@@ -148,7 +148,7 @@ def resolve_share_prompt_cache(requested, backend, device_type, group, kv_cache_
            "the policy's layers live on several GPUs" if actor_kind == "balanced" else
            f"the model's {attn_implementation} attention" if attn_implementation not in ("sdpa", "eager") else
            "the model computes its attention outside transformers' attention interface" if not attention_interface
-           else unshareable_attention(config))
+           else unshareable)
     if off:
         return False, off
     return True, (f"each of the {group} completions of a prompt reads one copy of its keys and values (a smaller "

@@ -272,11 +272,10 @@ def planned_share(shape, args, algo, backend) -> bool:
     --generation_backend; the scripts' utils/base.py resolve_share_prompt_cache): off unset where the model's
     config has sliding windows or softcapping (`shape.unshareable`), its attention otherwise assumed reached
     through transformers' attention interface."""
-    on = resolve_share_prompt_cache(args.share_prompt_cache, backend, "cuda",
-                                    args.num_generations if algo == "grpo" else 1, args.kv_cache_dtype,
-                                    "balanced" if args.actor_device == "balanced" else "device",
-                                    args.attn_implementation)[0]
-    return on and (args.share_prompt_cache is not None or shape.unshareable is None)
+    return resolve_share_prompt_cache(args.share_prompt_cache, backend, "cuda",
+                                      args.num_generations if algo == "grpo" else 1, args.kv_cache_dtype,
+                                      "balanced" if args.actor_device == "balanced" else "device",
+                                      args.attn_implementation, shape.unshareable)[0]
 
 
 def prompts_per_slice(args, algo, rows, slice_rows) -> list:
